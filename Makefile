@@ -1,0 +1,48 @@
+# nri-accel developer entry points. Everything runs from a local virtualenv (.venv)
+# that the first target creates; nothing is installed system-wide.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: all setup demo test test-fast bench proto lint clean
+
+all: test
+
+## setup: create .venv and install nri-accel with its dev tools (idempotent)
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+## demo: the built-in 8-GPU demo node and pods through the real daemon (no GPU needed)
+demo: $(STAMP)
+	$(BIN)/nri-accel demo
+
+## test: the whole test suite
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+## test-fast: the suite without the slow end-to-end tests
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+## bench: every benchmark under tests/bench/, each prints its figures
+bench: $(STAMP)
+	@set -e; for b in tests/bench/bench_*.py; do \
+	  echo "== $$b"; $(BIN)/python $$b; done
+
+## proto: regenerate the committed protobuf/gRPC code from api/*.proto
+proto: $(STAMP)
+	$(BIN)/python api/generate.py
+
+## lint: ruff over the project
+lint: $(STAMP)
+	$(BIN)/ruff check nri_accel tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,9 @@
+"""nri-accel: an NRI plugin that gives containers their hardware AI accelerators.
+
+Owns nothing but the package version. Subpackages: ttrpc (protocol library, no
+dependency on the rest), nri (NRI wire protocol and plugin stub), discover (the
+node's Inventory), deviceplugin (kubelet device plugin); modules request, policy,
+select, edits, engine (the pure hot path), plugin, config, log, cli.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,157 @@
+"""The `nri-accel` command line: argument parsing and dispatch, nothing else.
+
+Owns: the verbs, their flags and help texts (a stable interface: see DESIGN.md).
+Imports argparse and, lazily, the module that implements each verb, so that
+`nri-accel run` starts fast and `--help` works even where a vendor library is missing.
+
+Exit status: 0 success, 1 refused/failed (the reason on stderr), 2 usage or
+configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from nri_accel import __version__
+from nri_accel.config import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET
+
+_EPILOG = """\
+examples:
+  nri-accel demo                                   built-in 8-GPU node and demo pods
+  nri-accel discover                               what this node has (table)
+  nri-accel discover --json > node.json            capture the node for dry runs
+  nri-accel explain --inventory node.json --pod pod.yaml
+  nri-accel run                                    serve containerd/CRI-O over NRI
+
+docs: README.md, docs/requests.md (annotation and env syntax), deploy/ (install)
+"""
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE",
+                   help=f"TOML configuration (default {DEFAULT_CONFIG_PATH} if it exists)")
+
+
+def _add_source(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    g = p.add_mutually_exclusive_group(required=required)
+    g.add_argument("--inventory", metavar="FILE",
+                   help="use a saved inventory (from `discover --json`) instead of discovery")
+    g.add_argument("--root", metavar="DIR",
+                   help="discover the host mounted at DIR (default /; /host in a DaemonSet)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nri-accel",
+        description="NRI plugin that gives containers their hardware AI accelerators "
+        "(NVIDIA GPUs and MIG, AWS Neuron, CDI devices).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"nri-accel {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+
+    p = sub.add_parser("run", help="serve the container runtime over NRI (the daemon)",
+                       description="Register with the runtime's NRI socket and answer "
+                       "CreateContainer with device adjustments. Reconnects when the "
+                       "runtime restarts. When launched by the runtime from its plugin "
+                       "directory (NRI_PLUGIN_SOCKET set), uses the inherited socket.")
+    p.add_argument("--socket", metavar="PATH",
+                   help=f"NRI socket (default: config nri.socket, else {DEFAULT_SOCKET})")
+    p.add_argument("--name", help="plugin name (default: env NRI_PLUGIN_NAME, argv[0] "
+                   "NN-name, config nri.name, else nri-accel)")
+    p.add_argument("--idx", metavar="NN", help="two-digit plugin index (default: env "
+                   "NRI_PLUGIN_IDX, argv[0] NN-name, config nri.idx, else 40)")
+    p.add_argument("--log-file", metavar="FILE",
+                   help="append logs to FILE instead of stderr")
+    _add_config(p)
+    _add_source(p)
+    p.set_defaults(target="nri_accel.plugin:main_run")
+
+    p = sub.add_parser("discover", help="show what accelerators and drivers this node has",
+                       description="Discover devices and driver files once and print them: "
+                       "a table, or the Inventory JSON that --inventory accepts.")
+    p.add_argument("--root", metavar="DIR", help="host root to read (default /)")
+    p.add_argument("--json", action="store_true", help="print the Inventory as JSON")
+    _add_config(p)
+    p.set_defaults(target="nri_accel.discover.report:main_discover")
+
+    p = sub.add_parser("explain", help="dry run: what a pod's container would get",
+                       description="Run a Kubernetes Pod manifest through the same pipeline "
+                       "as CreateContainer. Exit 0 and print the adjustment, or exit 1 "
+                       "with the reason on stderr when the request is refused.")
+    _add_source(p, required=True)
+    p.add_argument("--pod", metavar="POD.yaml", required=True, help="Pod manifest (YAML or JSON)")
+    p.add_argument("--container", metavar="NAME", help="container name (default: every container)")
+    p.add_argument("--json", action="store_true",
+                   help="print the ContainerAdjustment in protobuf JSON mapping")
+    _add_config(p)
+    p.set_defaults(target="nri_accel.explain:main_explain")
+
+    p = sub.add_parser("cdi", help="CDI spec tools")
+    cdi = p.add_subparsers(dest="cdi_verb", metavar="VERB")
+    cdi.required = True
+    g = cdi.add_parser("generate", help="write a CDI spec for the discovered devices",
+                       description="Write the NVIDIA and Neuron devices of the inventory as a "
+                       "CDI spec, for runtimes or tools that consume CDI directly.")
+    _add_source(g)
+    g.add_argument("--output", metavar="FILE", help="write here instead of stdout")
+    _add_config(g)
+    g.set_defaults(target="nri_accel.discover.report:main_cdi_generate")
+
+    p = sub.add_parser("device-plugin", help="serve the kubelet device-plugin API",
+                       description="Advertise the node's devices to kubelet and answer "
+                       "Allocate with the trusted grant annotation that `run` honours.")
+    p.add_argument("--kubelet-dir", metavar="DIR", default="/var/lib/kubelet/device-plugins",
+                   help="kubelet device-plugin directory (default %(default)s)")
+    _add_config(p)
+    _add_source(p)
+    p.set_defaults(target="nri_accel.deviceplugin.server:main_device_plugin")
+
+    p = sub.add_parser("check", help="validate the configuration and this node's setup",
+                       description="Load the configuration, discover the node and check the "
+                       "NRI socket; print what is wrong. Exit 0 only if `run` would work.")
+    p.add_argument("--socket", metavar="PATH", help="NRI socket to check")
+    _add_config(p)
+    _add_source(p)
+    p.set_defaults(target="nri_accel.check:main_check")
+
+    p = sub.add_parser("demo", help="built-in demo: an 8-GPU node and demo pods, no GPU needed",
+                       description="Start the real daemon against the built-in demo inventory "
+                       "and a simulated container runtime, create the demo pods and print "
+                       "what each container gets.")
+    p.add_argument("--json", action="store_true", help="print each adjustment as JSON")
+    p.set_defaults(target="nri_accel.demo:main_demo")
+
+    p = sub.add_parser("version", help="print the version")
+    p.set_defaults(target=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.target is None:
+        print(f"nri-accel {__version__}")
+        return 0
+    module, _, func = args.target.partition(":")
+    handler = getattr(importlib.import_module(module), func)
+    from nri_accel.errors import ConfigError, NriAccelError
+
+    try:
+        return int(handler(args) or 0)
+    except ConfigError as e:
+        print(f"nri-accel: {e}", file=sys.stderr)
+        return 2
+    except NriAccelError as e:
+        print(f"nri-accel: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Configuration: the TOML file (default /etc/nri-accel/config.toml) as a frozen Config.
+
+Owns: the config keys, their defaults and validation. Imports the standard library,
+nri_accel.errors and nri_accel.inventory (static device types). Reads one file.
+
+Keys (all optional; unknown keys are errors so typos do not pass silently):
+
+    [policy]
+    mode = "kubernetes"          # or "standalone"
+    trusted_namespaces = []      # may grant through pod annotations/env in kubernetes mode
+
+    [nri]
+    socket = "/var/run/nri/nri.sock"
+    name = "nri-accel"
+    idx = "40"                   # two digits: ordering among NRI plugins
+
+    [devices]
+    cdi_passthrough = false      # hand CDI requests to the runtime as CDI device names
+    hooks = false                # true allows the one optional OCI hook (ld.so.cache update)
+    hook_path = ""               # absolute host path of that hook binary
+
+    [discovery]
+    cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
+    driver_root = "/"            # host path of the NVIDIA driver's files
+    refresh_interval = 10.0      # seconds between cheap change checks; 0 disables
+
+    [log]
+    level = "info"               # debug, info, warning, error
+    format = "auto"              # auto (JSON unless stderr is a TTY), json, console
+
+    [[static.devices]]           # hardware with no discoverer
+    kind = "acme.example/npu"    # vendor/class
+    name = "npu0"
+    device_nodes = ["/dev/npu0"] # host paths; major/minor come from lstat of the node
+    env = ["ACME_VISIBLE=0"]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from nri_accel.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = "/etc/nri-accel/config.toml"
+DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+
+_KIND_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$")
+_NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.:-]*$")
+_K8S_NS_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    mode: str = "kubernetes"
+    trusted_namespaces: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class NriConfig:
+    socket: str = DEFAULT_SOCKET
+    name: str = "nri-accel"
+    idx: str = "40"
+
+
+@dataclass(frozen=True, slots=True)
+class DevicesConfig:
+    cdi_passthrough: bool = False
+    hooks: bool = False
+    hook_path: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    cdi_spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
+    driver_root: str = "/"
+    refresh_interval: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = "info"
+    format: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class StaticDevice:
+    kind: str
+    name: str
+    device_nodes: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    nri: NriConfig = field(default_factory=NriConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    static_devices: tuple[StaticDevice, ...] = ()
+    path: str = ""  # file it was read from; "" for built-in defaults
+
+
+def load_config(path: str | None) -> Config:
+    """Read `path`, or the default path if it exists, or return the defaults.
+
+    An explicitly given path that does not exist is an error; a missing default is not.
+    """
+    if path is None:
+        if not os.path.exists(DEFAULT_CONFIG_PATH):
+            return Config()
+        path = DEFAULT_CONFIG_PATH
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(e.strerror or str(e), source=path) from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"not valid TOML: {e}", source=path) from e
+    return parse_config(data, path=path)
+
+
+def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
+    r = _Reader(data, path)
+    tables = {"policy", "nri", "devices", "discovery", "log", "static"}
+    r.no_unknown(data, tables, "")
+
+    pol = r.table("policy", {"mode", "trusted_namespaces"})
+    mode = r.get(pol, "policy.mode", str, "kubernetes")
+    if mode not in ("kubernetes", "standalone"):
+        raise ConfigError(f"must be \"kubernetes\" or \"standalone\", not {mode!r}",
+                          source=r.src("policy.mode"))
+    namespaces = r.str_list(pol, "policy.trusted_namespaces", [])
+    for ns in namespaces:
+        if not _K8S_NS_RE.match(ns):
+            raise ConfigError(f"{ns!r} is not a Kubernetes namespace name",
+                              source=r.src("policy.trusted_namespaces"))
+
+    nri = r.table("nri", {"socket", "name", "idx"})
+    socket = r.get(nri, "nri.socket", str, DEFAULT_SOCKET)
+    name = r.get(nri, "nri.name", str, "nri-accel")
+    idx = r.get(nri, "nri.idx", str, "40")
+    if not re.fullmatch(r"[0-9]{2}", idx):
+        raise ConfigError(f"must be two digits such as \"40\", not {idx!r}", source=r.src("nri.idx"))
+    if not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*", name):
+        raise ConfigError(f"invalid plugin name {name!r}", source=r.src("nri.name"))
+
+    dev = r.table("devices", {"cdi_passthrough", "hooks", "hook_path"})
+    hook_path = r.get(dev, "devices.hook_path", str, "")
+    if hook_path and not (hook_path.startswith("/") and ".." not in hook_path.split("/")):
+        raise ConfigError("must be an absolute path without '..'", source=r.src("devices.hook_path"))
+
+    disc = r.table("discovery", {"cdi_spec_dirs", "driver_root", "refresh_interval"})
+    spec_dirs = r.str_list(disc, "discovery.cdi_spec_dirs", ["/etc/cdi", "/var/run/cdi"])
+    for d in spec_dirs:
+        if not d.startswith("/"):
+            raise ConfigError(f"{d!r} must be absolute", source=r.src("discovery.cdi_spec_dirs"))
+    driver_root = r.get(disc, "discovery.driver_root", str, "/")
+    if not driver_root.startswith("/"):
+        raise ConfigError("must be absolute", source=r.src("discovery.driver_root"))
+    interval = r.get(disc, "discovery.refresh_interval", (int, float), 10.0)
+    if interval < 0:
+        raise ConfigError("must be >= 0", source=r.src("discovery.refresh_interval"))
+
+    log = r.table("log", {"level", "format"})
+    level = r.get(log, "log.level", str, "info").lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"unknown level {level!r}", source=r.src("log.level"))
+    fmt = r.get(log, "log.format", str, "auto")
+    if fmt not in ("auto", "json", "console"):
+        raise ConfigError(f"unknown format {fmt!r}", source=r.src("log.format"))
+
+    static = r.table("static", {"devices"})
+    raw_devs = static.get("devices", [])
+    if not isinstance(raw_devs, list):
+        raise ConfigError("must be an array of tables", source=r.src("static.devices"))
+    statics = []
+    for i, d in enumerate(raw_devs):
+        where = f"static.devices[{i}]"
+        if not isinstance(d, dict):
+            raise ConfigError("must be a table", source=r.src(where))
+        r.no_unknown(d, {"kind", "name", "device_nodes", "env"}, where)
+        kind = r.get(d, f"{where}.kind", str, None)
+        dname = r.get(d, f"{where}.name", str, None)
+        if not kind or not _KIND_RE.match(kind):
+            raise ConfigError("must be vendor/class, e.g. \"acme.example/npu\"",
+                              source=r.src(f"{where}.kind"))
+        if not dname or not _NAME_RE.match(dname):
+            raise ConfigError("must be a device name such as \"npu0\"", source=r.src(f"{where}.name"))
+        nodes = r.str_list(d, f"{where}.device_nodes", [])
+        for n in nodes:
+            if not n.startswith("/dev/") or ".." in n.split("/"):
+                raise ConfigError(f"{n!r} must be a path under /dev without '..'",
+                                  source=r.src(f"{where}.device_nodes"))
+        env = r.str_list(d, f"{where}.env", [])
+        for kv in env:
+            if "=" not in kv or not kv.partition("=")[0]:
+                raise ConfigError(f"{kv!r} must be KEY=VALUE", source=r.src(f"{where}.env"))
+        statics.append(StaticDevice(kind, dname, tuple(nodes), tuple(env)))
+
+    return Config(
+        policy=PolicyConfig(mode, frozenset(namespaces)),
+        nri=NriConfig(socket, name, idx),
+        devices=DevicesConfig(
+            cdi_passthrough=r.get(dev, "devices.cdi_passthrough", bool, False),
+            hooks=r.get(dev, "devices.hooks", bool, False),
+            hook_path=hook_path,
+        ),
+        discovery=DiscoveryConfig(tuple(spec_dirs), driver_root, float(interval)),
+        log=LogConfig(level, fmt),
+        static_devices=tuple(statics),
+        path=path,
+    )
+
+
+class _Reader:
+    def __init__(self, data: dict[str, Any], path: str) -> None:
+        self.data = data
+        self.path = path
+
+    def src(self, key: str) -> str:
+        return f"{self.path}: {key}" if self.path else key
+
+    def no_unknown(self, table: dict[str, Any], allowed: set[str], where: str) -> None:
+        for k in table:
+            if k not in allowed:
+                full = f"{where}.{k}" if where else k
+                raise ConfigError(f"unknown key (known: {', '.join(sorted(allowed))})",
+                                  source=self.src(full))
+
+    def table(self, name: str, allowed: set[str]) -> dict[str, Any]:
+        t = self.data.get(name, {})
+        if not isinstance(t, dict):
+            raise ConfigError("must be a table", source=self.src(name))
+        self.no_unknown(t, allowed, name)
+        return t
+
+    def get(self, table: dict[str, Any], key: str, typ: Any, default: Any) -> Any:
+        v = table.get(key.rsplit(".", 1)[-1], default)
+        if v is default:
+            return v
+        if isinstance(v, bool) and typ is not bool:
+            raise ConfigError(f"expected {_tname(typ)}, got a boolean", source=self.src(key))
+        if not isinstance(v, typ):
+            raise ConfigError(f"expected {_tname(typ)}, got {type(v).__name__}",
+                              source=self.src(key))
+        return v
+
+    def str_list(self, table: dict[str, Any], key: str, default: list[str]) -> list[str]:
+        v = table.get(key.rsplit(".", 1)[-1], default)
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ConfigError("expected an array of strings", source=self.src(key))
+        return v
+
+
+def _tname(typ: Any) -> str:
+    if isinstance(typ, tuple):
+        return "a number"
+    return {str: "a string", bool: "a boolean", int: "an integer"}.get(typ, typ.__name__)

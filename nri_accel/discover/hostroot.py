@@ -1,0 +1,91 @@
+"""HostRoot: the one seam through which every host path is read.
+
+Owns: mapping host-absolute paths ("/dev/nvidiactl", "/sys/bus/pci/...",
+"/usr/lib/x86_64-linux-gnu/libcuda.so.1") to where they can be read from this
+process, and back. Imports only the standard library.
+
+A daemon on the node uses HostRoot("/"); a DaemonSet that mounts the host at /host
+uses HostRoot("/host"); tests point it at a temporary tree. Paths that nri-accel
+emits into a container adjustment are always *host* paths (what runc sees), never
+the paths this process used to read them.
+
+The driver root is where the NVIDIA driver's user-space files live as seen from the
+host (normally "/", "/run/nvidia/driver" with the GPU operator's driver container).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+
+@dataclass(frozen=True, slots=True)
+class HostRoot:
+    """Where the host's filesystem, /dev, /sys and the driver root are mounted here."""
+
+    root: str = "/"
+    dev: str = "/dev"  # host path of the device directory
+    sys: str = "/sys"  # host path of sysfs
+    driver_root: str = "/"  # host path under which the driver's files are installed
+
+    @classmethod
+    def at(cls, root: str | os.PathLike[str], *, driver_root: str = "/") -> HostRoot:
+        return cls(root=os.fspath(root), driver_root=driver_root)
+
+    def local(self, host_path: str) -> str:
+        """Where this process reads the host-absolute `host_path`."""
+        p = PurePosixPath(host_path)
+        if not p.is_absolute():
+            raise ValueError(f"host path must be absolute: {host_path!r}")
+        if ".." in p.parts:
+            raise ValueError(f"host path must not contain '..': {host_path!r}")
+        if self.root in ("", "/"):
+            return str(p)
+        return os.path.join(self.root, *p.parts[1:])
+
+    def host(self, local_path: str) -> str:
+        """Inverse of local(): the host-absolute path of a path read under the root."""
+        if self.root in ("", "/"):
+            return local_path
+        rel = os.path.relpath(local_path, self.root)
+        if rel == "." :
+            return "/"
+        if rel.startswith(".."):
+            raise ValueError(f"{local_path!r} is outside host root {self.root!r}")
+        return "/" + rel
+
+    def dev_path(self, name: str) -> str:
+        """Host path of a node under the device directory, e.g. dev_path('nvidiactl')."""
+        return str(PurePosixPath(self.dev) / name)
+
+    def sys_path(self, rel: str) -> str:
+        """Host path of a sysfs entry, e.g. sys_path('bus/pci/devices')."""
+        return str(PurePosixPath(self.sys) / rel)
+
+    def driver_path(self, rel: str) -> str:
+        """Host path of a file under the driver root."""
+        return str(PurePosixPath(self.driver_root) / rel.lstrip("/"))
+
+    def lstat(self, host_path: str) -> os.stat_result:
+        return os.lstat(self.local(host_path))
+
+    def exists(self, host_path: str) -> bool:
+        return os.path.lexists(self.local(host_path))
+
+    def is_char_device(self, host_path: str) -> bool:
+        try:
+            return stat.S_ISCHR(self.lstat(host_path).st_mode)
+        except OSError:
+            return False
+
+    def read_text(self, host_path: str) -> str:
+        with open(self.local(host_path), encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def listdir(self, host_path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.local(host_path)))
+        except OSError:
+            return []

@@ -1,0 +1,50 @@
+"""Logging: structlog configured once, snake_case events, JSON when not on a TTY.
+
+Owns: configure() and get_logger(). Imports structlog and the standard library.
+
+Every module logs with ``log = get_logger(__name__)`` and binds context
+(``pod``, ``namespace``, ``container``) rather than formatting it into messages.
+Event names are snake_case (``container_created``, ``registered``, ``inventory_changed``).
+In pre-registered mode stderr is /dev/null: configure(file=...) sends logs to a file
+(or the journal's stderr when run by systemd).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import IO, Any
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR}
+
+
+def configure(level: str = "info", fmt: str = "auto", file: IO[str] | None = None) -> None:
+    """Configure structlog for the process. fmt: auto | json | console."""
+    out = file if file is not None else sys.stderr
+    if fmt == "auto":
+        fmt = "console" if getattr(out, "isatty", lambda: False)() else "json"
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer(colors=False)
+        if fmt == "console"
+        else structlog.processors.JSONRenderer(sort_keys=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(out),
+        cache_logger_on_first_use=True,
+    )
+
+
+def get_logger(name: str = "nri_accel", **context: Any) -> Any:
+    """A bound structlog logger; `name` becomes the `logger` field."""
+    return structlog.get_logger(name).bind(logger=name, **context)

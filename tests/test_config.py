@@ -1,0 +1,93 @@
+"""Config file parsing: defaults, every key, and errors that name file and key."""
+
+from __future__ import annotations
+
+import pytest
+
+from nri_accel.config import Config, load_config, parse_config
+from nri_accel.errors import ConfigError
+
+
+def test_defaults_when_no_file(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr("nri_accel.config.DEFAULT_CONFIG_PATH", str(tmp_path / "absent.toml"))
+    cfg = load_config(None)
+    assert cfg == Config()
+    assert cfg.policy.mode == "kubernetes"
+    assert cfg.devices.hooks is False  # no hook by default (DESIGN.md, CVE notes)
+    assert cfg.nri.socket == "/var/run/nri/nri.sock"
+
+
+def test_full_file(tmp_path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("""
+[policy]
+mode = "standalone"
+trusted_namespaces = ["ml-team", "ci"]
+[nri]
+socket = "/run/x.sock"
+idx = "07"
+[devices]
+cdi_passthrough = true
+[discovery]
+cdi_spec_dirs = ["/etc/cdi"]
+refresh_interval = 0
+[log]
+level = "DEBUG"
+[[static.devices]]
+kind = "acme.example/npu"
+name = "npu0"
+device_nodes = ["/dev/npu0"]
+env = ["ACME=1"]
+""")
+    cfg = load_config(str(p))
+    assert cfg.policy.mode == "standalone"
+    assert cfg.policy.trusted_namespaces == frozenset({"ml-team", "ci"})
+    assert (cfg.nri.socket, cfg.nri.idx) == ("/run/x.sock", "07")
+    assert cfg.devices.cdi_passthrough is True
+    assert cfg.discovery.refresh_interval == 0.0
+    assert cfg.log.level == "debug"
+    assert cfg.static_devices[0].device_nodes == ("/dev/npu0",)
+    assert cfg.path == str(p)
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({"polcy": {}}, "polcy: unknown key"),
+        ({"policy": {"mode": "yolo"}}, "policy.mode"),
+        ({"policy": {"trusted_namespaces": "default"}}, "array of strings"),
+        ({"policy": {"trusted_namespaces": ["Bad_NS"]}}, "not a Kubernetes namespace"),
+        ({"nri": {"idx": "7"}}, "nri.idx: must be two digits"),
+        ({"devices": {"hooks": "yes"}}, "devices.hooks: expected a boolean"),
+        ({"devices": {"hook_path": "../hook"}}, "devices.hook_path"),
+        ({"discovery": {"refresh_interval": -1}}, "must be >= 0"),
+        ({"discovery": {"cdi_spec_dirs": ["cdi"]}}, "must be absolute"),
+        ({"static": {"devices": [{"kind": "npu", "name": "x"}]}}, "static.devices[0].kind"),
+        ({"static": {"devices": [{"kind": "a.b/c", "name": "x",
+                                  "device_nodes": ["/dev/../etc/shadow"]}]}},
+         "under /dev without '..'"),
+        ({"static": {"devices": [{"kind": "a.b/c", "name": "x", "env": ["NOVALUE"]}]}},
+         "KEY=VALUE"),
+    ],
+)
+def test_errors_name_the_key(data, fragment) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, path="/etc/nri-accel/config.toml")
+    assert str(err.value).startswith("/etc/nri-accel/config.toml: ")
+    assert fragment in str(err.value)
+
+
+def test_explicit_missing_file_and_bad_toml(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="missing.toml"):
+        load_config(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[policy\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(bad))
+
+
+def test_shipped_example_config_is_valid() -> None:
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "deploy" / "config.toml"
+    assert load_config(str(example)) == Config(path=str(example))
