@@ -33,12 +33,15 @@ def generated_files(out_root: Path) -> list[Path]:
 
 
 def generate(out_root: Path) -> None:
+    from importlib.resources import files
+
     from grpc_tools import protoc
 
+    well_known = files("grpc_tools") / "_proto"  # google/protobuf/*.proto, as protoc's CLI adds
     for proto, (pkg, grpc) in TARGETS.items():
         out = out_root / pkg
         out.mkdir(parents=True, exist_ok=True)
-        args = ["protoc", f"-I{API}", f"--python_out={out}", f"--pyi_out={out}"]
+        args = ["protoc", f"-I{API}", f"-I{well_known}", f"--python_out={out}", f"--pyi_out={out}"]
         if grpc:
             args.append(f"--grpc_python_out={out}")
         args.append(str(API / proto))

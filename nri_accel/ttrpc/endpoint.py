@@ -1,0 +1,287 @@
+"""The asyncio side of one ttrpc connection: serve handlers, make calls, over any transport.
+
+Owns: Endpoint (fed bytes by its transport, writes through a `send` callable, so it
+runs over a socket, a multiplexed sub-connection or an in-memory pipe alike),
+CallContext (what a handler learns about its call) and the Handler/Services types.
+Imports asyncio, logging and this package's protocol and errors; no sockets (see
+unix.py for those).
+
+Server side: every request runs its handler in its own task (handlers run
+concurrently); the answer is the handler's bytes, the status of a TtrpcError it
+raises, DEADLINE_EXCEEDED when the request's `timeout_nano` passes (the handler is
+cancelled), UNKNOWN with the exception's text for any other exception. Nothing a
+peer sends or a handler does closes the connection. Client side: `call()` sends on
+the next odd stream id and waits for the response with that id; any number of calls
+may be in flight. Closing fails pending calls with UNAVAILABLE and cancels handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from .codec import Bytes, FrameType
+from .errors import Code, TtrpcError
+from .protocol import Connection, Metadata, RequestReceived, ResponseReceived, StreamError
+
+_log = logging.getLogger(__name__)
+
+_REQUEST = int(FrameType.REQUEST)
+_RESPONSE = int(FrameType.RESPONSE)
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What a handler knows about its call.
+
+    `metadata` holds the request's (key, value) pairs in wire order (a key may
+    repeat); `deadline` is on the event loop's clock (`loop.time()`), None when the
+    caller set no timeout.
+    """
+
+    service: str
+    method: str
+    metadata: Metadata
+    deadline: float | None
+    stream_id: int
+
+
+Handler = Callable[[CallContext, bytes], Awaitable[bytes]]
+"""An async function answering one method: (ctx, request payload) -> response payload."""
+
+Services = Mapping[str, Mapping[str, Handler]]
+"""{service name: {method name: handler}}, e.g. {"nri.pkg.api.v1alpha1.Plugin": {...}}."""
+
+
+class Endpoint:
+    """One ttrpc connection: a server of `services`, a client through `call()`, or both.
+
+    The transport feeds it with data_received() (bytes cut anywhere) and reports its
+    end with connection_lost(); the endpoint writes whole frames through `send`, one
+    call per frame. `on_close`, when given, is how close() shuts the transport (which
+    must then report connection_lost); without it close() completes at once. Create
+    and use it on the event loop's thread.
+    """
+
+    def __init__(
+        self,
+        send: Callable[[bytes], object],
+        services: Services | None = None,
+        *,
+        on_close: Callable[[], object] | None = None,
+    ) -> None:
+        self._send = send
+        self._services = {name: dict(methods) for name, methods in (services or {}).items()}
+        self._on_close = on_close
+        self._conn = Connection()
+        self._pending: dict[int, asyncio.Future[bytes]] = {}
+        self._handlers: dict[int, asyncio.Task[None]] = {}
+        self._cancelled: list[asyncio.Task[None]] = []
+        self._closing_reason = ""
+        self._closed = asyncio.Event()
+
+    # -- transport side ---------------------------------------------------------------
+
+    def data_received(self, data: Bytes) -> None:
+        """Feed bytes read from the transport (a view of a reused read buffer is fine)."""
+        if self._closing_reason:
+            return
+        for event in self._conn.receive(data):
+            if isinstance(event, RequestReceived):
+                self._start(event)
+            elif isinstance(event, ResponseReceived):
+                self._resolve(event)
+            elif isinstance(event, StreamError):
+                self._refused(event)
+            else:
+                _log.debug("ttrpc_frame_ignored %s", event)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        """The transport is gone: fail pending calls with UNAVAILABLE, cancel handlers."""
+        self._shutdown(
+            "ttrpc connection closed" if exc is None else f"ttrpc connection lost: {exc}"
+        )
+        self._closed.set()
+
+    # -- user side --------------------------------------------------------------------
+
+    async def call(
+        self,
+        service: str,
+        method: str,
+        payload: bytes = b"",
+        *,
+        timeout: float | None = None,
+        metadata: Iterable[tuple[str, str]] = (),
+    ) -> bytes:
+        """Call `service`/`method` with `payload`; return the response payload.
+
+        `timeout` (seconds) bounds the wait and travels as the request's deadline.
+        Raises TtrpcError: the peer's status when it is not OK, DEADLINE_EXCEEDED when
+        no answer came in time, UNAVAILABLE when the connection is or gets closed,
+        RESOURCE_EXHAUSTED when the request is over the size limit (nothing is sent).
+        """
+        if self._closing_reason:
+            raise TtrpcError(
+                Code.UNAVAILABLE, f"cannot call {service}/{method}: {self._closing_reason}"
+            )
+        timeout_nano = 0
+        if timeout is not None:
+            if timeout <= 0:
+                message = f"{service}/{method}: timeout {timeout} s is not positive"
+                raise TtrpcError(Code.DEADLINE_EXCEEDED, message)
+            timeout_nano = max(1, round(timeout * 1e9))
+        loop = asyncio.get_running_loop()
+        stream_id, frame = self._conn.request(
+            service, method, payload, timeout_nano=timeout_nano, metadata=metadata
+        )
+        future: asyncio.Future[bytes] = loop.create_future()
+        self._pending[stream_id] = future
+        timer = None
+        try:
+            try:
+                self._send(frame)
+            except Exception as exc:
+                raise TtrpcError(
+                    Code.UNAVAILABLE, f"cannot send {service}/{method}: {exc}"
+                ) from exc
+            if timeout is not None:
+                timer = loop.call_later(timeout, _expire, future, service, method, timeout)
+            return await future
+        finally:
+            del self._pending[stream_id]
+            if timer is not None:
+                timer.cancel()
+
+    def close(self) -> None:
+        """Fail pending calls with UNAVAILABLE, cancel running handlers, shut the transport."""
+        if self._closing_reason:
+            return
+        self._shutdown("ttrpc endpoint closed")
+        if self._on_close is None:
+            self._closed.set()
+        else:
+            self._on_close()
+
+    def is_closing(self) -> bool:
+        """True once close() was called or the connection was lost."""
+        return bool(self._closing_reason)
+
+    async def closed(self) -> None:
+        """Wait until the connection is closed and cancelled handlers have finished."""
+        await self._closed.wait()
+        if self._cancelled:
+            await asyncio.wait(self._cancelled)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _shutdown(self, reason: str) -> None:
+        if self._closing_reason:
+            return
+        self._closing_reason = reason
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(TtrpcError(Code.UNAVAILABLE, reason))
+        self._cancelled = list(self._handlers.values())
+        for task in self._cancelled:
+            task.cancel()
+
+    def _start(self, req: RequestReceived) -> None:
+        methods = self._services.get(req.service)
+        handler = None if methods is None else methods.get(req.method)
+        if handler is None:
+            what = (
+                f"service {req.service!r}"
+                if methods is None
+                else f"method {req.method!r} of service {req.service!r}"
+            )
+            self._write(
+                self._conn.response(
+                    req.stream_id, code=Code.UNIMPLEMENTED, message=f"{what} is not implemented"
+                )
+            )
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.timeout_nano / 1e9 if req.timeout_nano else None
+        ctx = CallContext(req.service, req.method, req.metadata, deadline, req.stream_id)
+        self._handlers[req.stream_id] = loop.create_task(self._serve(handler, ctx, req.payload))
+
+    async def _serve(self, handler: Handler, ctx: CallContext, payload: bytes) -> None:
+        stream_id = ctx.stream_id
+        respond = self._conn.response
+        timeout = None
+        try:
+            if ctx.deadline is None:
+                result = await handler(ctx, payload)
+            else:
+                timeout = asyncio.timeout_at(ctx.deadline)
+                async with timeout:
+                    result = await handler(ctx, payload)
+            if not isinstance(result, bytes):
+                raise TypeError(
+                    f"handler of {ctx.service}/{ctx.method} returned "
+                    f"{type(result).__name__}, not bytes"
+                )
+            frame = respond(stream_id, result)
+        except TtrpcError as exc:
+            frame = respond(stream_id, code=exc.code, message=exc.message, details=exc.details)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closing_reason or (task is not None and task.cancelling()):
+                raise
+            frame = respond(
+                stream_id,
+                code=Code.CANCELLED,
+                message=f"handler of {ctx.service}/{ctx.method} was cancelled",
+            )
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) and timeout is not None and timeout.expired():
+                message = f"{ctx.service}/{ctx.method} did not finish before its deadline"
+                frame = respond(stream_id, code=Code.DEADLINE_EXCEEDED, message=message)
+            else:
+                _log.exception(
+                    "ttrpc_handler_failed service=%s method=%s", ctx.service, ctx.method
+                )
+                text = str(exc)
+                message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+                frame = respond(stream_id, code=Code.UNKNOWN, message=message)
+        finally:
+            del self._handlers[stream_id]
+        if not self._closing_reason:
+            self._write(frame)
+
+    def _write(self, frame: bytes) -> None:
+        """Send an answer; a failing transport is logged here, its end comes as connection_lost."""
+        try:
+            self._send(frame)
+        except Exception:
+            _log.exception("ttrpc_send_failed")
+
+    def _resolve(self, resp: ResponseReceived) -> None:
+        future = self._pending.get(resp.stream_id)
+        if future is None or future.done():
+            _log.debug("ttrpc_response_unmatched stream_id=%d", resp.stream_id)
+        elif resp.code == Code.OK:
+            future.set_result(resp.payload)
+        else:
+            future.set_exception(TtrpcError(resp.code, resp.message, details=resp.details))
+
+    def _refused(self, err: StreamError) -> None:
+        _log.warning(
+            "ttrpc_frame_refused stream_id=%d type=%d code=%s message=%s",
+            err.stream_id, err.frame_type, err.code.name, err.message,
+        )
+        if err.frame_type == _REQUEST:
+            self._write(self._conn.response(err.stream_id, code=err.code, message=err.message))
+        elif err.frame_type == _RESPONSE:
+            future = self._pending.get(err.stream_id)
+            if future is not None and not future.done():
+                future.set_exception(TtrpcError(err.code, err.message))
+
+
+def _expire(future: asyncio.Future[bytes], service: str, method: str, timeout: float) -> None:
+    if not future.done():
+        message = f"{service}/{method}: no response within {timeout} s"
+        future.set_exception(TtrpcError(Code.DEADLINE_EXCEEDED, message))
