@@ -16,6 +16,7 @@ import sys
 from typing import IO, Any
 
 import structlog
+from structlog._config import BoundLoggerLazyProxy
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -31,14 +32,24 @@ def configure(level: str = "info", fmt: str = "auto", file: IO[str] | None = Non
         if fmt == "console"
         else structlog.processors.JSONRenderer(sort_keys=False)
     )
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    # Libraries that log through the standard `logging` module (nri_accel.ttrpc stays
+    # free of structlog so it can stand alone) come out in the same format and stream.
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer],
+    ))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(_LEVELS[level])
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=True,
@@ -46,5 +57,10 @@ def configure(level: str = "info", fmt: str = "auto", file: IO[str] | None = Non
 
 
 def get_logger(name: str = "nri_accel", **context: Any) -> Any:
-    """A bound structlog logger; `name` becomes the `logger` field."""
-    return structlog.get_logger(name).bind(logger=name, **context)
+    """A bound structlog logger; `name` becomes the `logger` field.
+
+    Lazy, like structlog.get_logger(): it takes the configuration at its first use, so
+    module-level loggers created at import follow a configure() called later (an eager
+    bind() would freeze structlog's defaults, which print to stdout)."""
+    return BoundLoggerLazyProxy(None, logger_factory_args=(name,),
+                                initial_values={"logger": name, **context})
