@@ -1,0 +1,236 @@
+"""NVIDIA_REQUIRE_* constraints: the language, its parser and its evaluation.
+
+Owns: Constraint, Requirement, Requirements, parse_requirement(), requirements_from_env()
+and legacy_cuda_image(). Imports the standard library and nri_accel.errors only. Pure:
+no I/O; parsing is memoised because CUDA images ship the same long expressions.
+
+Semantics follow libnvidia-container (src/cli/dsl.c, src/cli/configure.c) as driven by
+nvidia-container-toolkit (internal/config/image/cuda_image.go):
+
+- Each variable whose name starts with NVIDIA_REQUIRE_ (except NVIDIA_REQUIRE_JETPACK,
+  which the toolkit skips) is one requirement; all requirements must hold (AND).
+- Inside one value, space-separated groups are alternatives (OR) and comma-separated
+  constraints inside a group must all hold (AND): ``cuda>=12.0 brand=tesla,driver>=470``.
+- A constraint is ``KEY OP VALUE`` with KEY in cuda, driver, arch, brand (case-insensitive)
+  and OP one of = != < <= > >=. cuda/driver/arch compare as dotted numbers with trailing
+  zero components ignored (12 == 12.0, 12.4 > 12); brand compares case-insensitively and
+  only with = or !=.
+- A fact the node does not know (no GPU visible, so no arch/brand; no CUDA version)
+  satisfies the constraint, as upstream does.
+- A legacy image (CUDA_VERSION set, NVIDIA_REQUIRE_CUDA unset or empty) requires
+  ``cuda>=MAJOR.MINOR`` of CUDA_VERSION; NVIDIA_DISABLE_REQUIRE (Go strconv.ParseBool
+  true: 1, t, T, true, TRUE, True) disables every requirement.
+
+One deliberate difference: upstream reports a malformed constraint only when evaluation
+reaches it; here every constraint is checked when the request is parsed, so a typo fails
+the container at once with the variable named, whatever the GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+from nri_accel.errors import RequestError
+
+REQUIRE_PREFIX = "NVIDIA_REQUIRE_"
+REQUIRE_JETPACK = "NVIDIA_REQUIRE_JETPACK"
+REQUIRE_CUDA = "NVIDIA_REQUIRE_CUDA"
+DISABLE_REQUIRE = "NVIDIA_DISABLE_REQUIRE"
+CUDA_VERSION = "CUDA_VERSION"
+
+VERSION_KEYS = frozenset({"cuda", "driver", "arch"})
+STRING_KEYS = frozenset({"brand"})
+OPERATORS = ("=", "!=", "<", "<=", ">", ">=")
+
+_GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+_OP_CHARS = "<>=!"
+_VERSION_RE = re.compile(r"[0-9]+(?:\.[0-9]+)*")
+_BRAND_RE = re.compile(r"[A-Za-z0-9_.-]+")
+# Go golang.org/x/mod/semver as the toolkit uses it for CUDA_VERSION ("v" optional):
+# MAJOR[.MINOR[.PATCH[-PRERELEASE][+BUILD]]], no leading zeros.
+_NUM = r"(?:0|[1-9][0-9]*)"
+_SEMVER_RE = re.compile(
+    rf"v?({_NUM})(?:\.({_NUM})(?:\.{_NUM}(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?)?)?"
+)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """Dotted number -> tuple without trailing zero components (12.0 == 12)."""
+    parts = [int(p) for p in text.split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def _compare(left: tuple[int, ...], op: str, right: tuple[int, ...]) -> bool:
+    width = max(len(left), len(right))
+    a = left + (0,) * (width - len(left))
+    b = right + (0,) * (width - len(right))
+    if op == "=":
+        return a == b
+    if op == "!=":
+        return a != b
+    if op == "<":
+        return a < b
+    if op == "<=":
+        return a <= b
+    if op == ">":
+        return a > b
+    return a >= b
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """One ``KEY OP VALUE`` test, e.g. cuda>=12.4 or brand=tesla."""
+
+    key: str  # lower case: cuda, driver, arch, brand
+    op: str
+    value: str
+
+    def __str__(self) -> str:
+        return f"{self.key}{self.op}{self.value}"
+
+    def holds(self, facts: Mapping[str, str]) -> bool:
+        """True when the fact satisfies this constraint or the fact is unknown."""
+        fact = facts.get(self.key, "")
+        if not fact:
+            return True
+        if self.key in STRING_KEYS:
+            same = fact.lower() == self.value.lower()
+            return same if self.op == "=" else not same
+        if not _VERSION_RE.fullmatch(fact):
+            return False
+        return _compare(_version(fact), self.op, _version(self.value))
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    """One NVIDIA_REQUIRE_* variable: alternatives (OR) of constraint groups (AND)."""
+
+    source: str  # "env NVIDIA_REQUIRE_CUDA", "env CUDA_VERSION"
+    text: str
+    alternatives: tuple[tuple[Constraint, ...], ...]
+
+    def holds(self, facts: Mapping[str, str]) -> bool:
+        if not self.alternatives:
+            return True
+        return any(all(c.holds(facts) for c in group) for group in self.alternatives)
+
+    def explain(self, facts: Mapping[str, str]) -> str:
+        """Why this requirement fails for `facts` (call only when holds() is False)."""
+        first = self.alternatives[0]
+        failed = next(c for c in first if not c.holds(facts))
+        msg = f"unsatisfied condition: {failed} (this GPU has {failed.key}={facts[failed.key]})"
+        if len(self.alternatives) > 1:
+            msg += f"; none of the {len(self.alternatives)} alternatives holds"
+        if failed.key == "cuda" and failed.op in (">", ">="):
+            msg += "; update the driver or use an image built for an earlier CUDA"
+        return msg
+
+
+@dataclass(frozen=True, slots=True)
+class Requirements:
+    """All requirements of one container; every one must hold for each granted GPU.
+
+    The selector calls check() per granted GPU with facts "cuda" (driver's CUDA version,
+    "12.4"), "driver" ("550.54.15"), "arch" (compute capability, "8.0") and "brand"
+    ("tesla"), and once with only cuda/driver when the container gets the driver but no
+    GPU. A missing or empty fact satisfies its constraints (upstream behaviour).
+    """
+
+    items: tuple[Requirement, ...] = ()
+
+    def unsatisfied(self, facts: Mapping[str, str]) -> tuple[str, str] | None:
+        """(source, reason) of the first requirement `facts` fail, or None."""
+        for req in self.items:
+            if not req.holds(facts):
+                return req.source, req.explain(facts)
+        return None
+
+    def check(self, facts: Mapping[str, str]) -> str | None:
+        """None when satisfied, else a message that starts with the variable's name."""
+        failed = self.unsatisfied(facts)
+        return None if failed is None else f"{failed[0]}: {failed[1]}"
+
+
+@lru_cache(maxsize=1024)  # CUDA images repeat the same constraints across alternatives
+def _parse_constraint(expr: str, source: str) -> Constraint:
+    n = len(expr)
+    i = 0
+    while i < n and expr[i] not in _OP_CHARS:
+        i += 1
+    j = i
+    while j < n and expr[j] in _OP_CHARS:
+        j += 1
+    key, op, value = expr[:i].lower(), expr[i:j], expr[j:]
+    if not key or not op or not value:
+        raise RequestError(f"invalid constraint {expr!r}: expected KEY OP VALUE such as "
+                           "cuda>=12.0", source=source)
+    if op not in OPERATORS:
+        raise RequestError(f"invalid constraint {expr!r}: unknown operator {op!r} "
+                           f"(use {' '.join(OPERATORS)})", source=source)
+    if key in VERSION_KEYS:
+        if not _VERSION_RE.fullmatch(value):
+            raise RequestError(f"invalid constraint {expr!r}: {key} takes a dotted version "
+                               "number such as 12.4", source=source)
+    elif key in STRING_KEYS:
+        if op not in ("=", "!="):
+            raise RequestError(f"invalid constraint {expr!r}: {key} compares only with "
+                               "= or !=", source=source)
+        if not _BRAND_RE.fullmatch(value):
+            raise RequestError(f"invalid constraint {expr!r}: invalid {key} name",
+                               source=source)
+    else:
+        raise RequestError(f"invalid constraint {expr!r}: unknown key {key!r} "
+                           "(known: arch, brand, cuda, driver)", source=source)
+    return Constraint(key, op, value)
+
+
+@lru_cache(maxsize=512)
+def parse_requirement(source: str, text: str) -> Requirement:
+    """Parse one NVIDIA_REQUIRE_* value; RequestError(source=source) when malformed."""
+    groups = []
+    for alternative in text.split(" "):
+        constraints = tuple(
+            _parse_constraint(expr, source) for expr in alternative.split(",") if expr
+        )
+        if constraints:
+            groups.append(constraints)
+    return Requirement(source, text, tuple(groups))
+
+
+def legacy_cuda_image(env: Mapping[str, str]) -> bool:
+    """A pre-NVIDIA_REQUIRE_CUDA image: CUDA_VERSION set, NVIDIA_REQUIRE_CUDA empty."""
+    return bool(env.get(CUDA_VERSION)) and not env.get(REQUIRE_CUDA)
+
+
+def disabled(env: Mapping[str, str]) -> bool:
+    """NVIDIA_DISABLE_REQUIRE parsed as Go's strconv.ParseBool (invalid means false)."""
+    return env.get(DISABLE_REQUIRE, "") in _GO_TRUE
+
+
+def requirements_from_env(env: Mapping[str, str]) -> Requirements | None:
+    """The container's requirements, or None when there are none or they are disabled.
+
+    `env` maps names to values with the last definition winning. Variables are taken in
+    name order so the result (and the first failure reported) is deterministic.
+    """
+    if disabled(env):
+        return None
+    items = [
+        parse_requirement(f"env {name}", env[name])
+        for name in sorted(env)
+        if name.startswith(REQUIRE_PREFIX) and not name.startswith(REQUIRE_JETPACK)
+    ]
+    if legacy_cuda_image(env):
+        m = _SEMVER_RE.fullmatch(env[CUDA_VERSION])
+        if m is None:
+            raise RequestError(f"invalid CUDA version {env[CUDA_VERSION]!r} (legacy image "
+                               "without NVIDIA_REQUIRE_CUDA)", source=f"env {CUDA_VERSION}")
+        major, minor = m.group(1), m.group(2) or "0"
+        items.append(parse_requirement(f"env {CUDA_VERSION}", f"cuda>={major}.{minor}"))
+    items = [r for r in items if r.alternatives]
+    return Requirements(tuple(items)) if items else None

@@ -1,0 +1,192 @@
+"""Env syntax images already use, against nvidia-container-toolkit / libnvidia-container /
+nvidia-docker / aws-neuron semantics. Standalone policy, so env requests grant."""
+
+from __future__ import annotations
+
+import pytest
+from request_testing import CUDA_IMAGE_ENV, MIG0, UUID0, UUID1, claims, parse
+
+from nri_accel.errors import PolicyError, RequestError
+from nri_accel.request import ALL_CAPABILITIES, DEFAULT_CAPABILITIES
+
+GPU, NEURON = "nvidia.com/gpu", "aws.amazon.com/neuron"
+VIS = "env NVIDIA_VISIBLE_DEVICES"
+LEGACY = "CUDA_VERSION=9.0.176"  # a CUDA image older than NVIDIA_REQUIRE_CUDA
+LEGACY_SOURCE = "env NVIDIA_VISIBLE_DEVICES (unset in a legacy CUDA image)"
+
+
+# internal/config/image cuda_image.go devicesFromEnvvars + devices.go NewVisibleDevices:
+# comma split, blanks trimmed, empty tokens skipped; empty/unset/void -> nothing;
+# none -> driver only; all -> every GPU; precedence void > none > all; unset in a
+# legacy image -> all.
+VISIBLE = [
+    (["NVIDIA_VISIBLE_DEVICES=all"], [(GPU, (), None, True, VIS)], False),
+    (["NVIDIA_VISIBLE_DEVICES=none"], [], True),
+    (["NVIDIA_VISIBLE_DEVICES=void"], [], False),
+    (["NVIDIA_VISIBLE_DEVICES="], [], False),
+    (["NVIDIA_VISIBLE_DEVICES= , ,"], [], False),
+    ([], [], False),
+    (["NVIDIA_VISIBLE_DEVICES=0,1"], [(GPU, ("0", "1"), None, False, VIS)], False),
+    ([" NVIDIA_VISIBLE_DEVICES=0"], [], False),  # a different name: not read
+    (["NVIDIA_VISIBLE_DEVICES= 0 , 1 ,"], [(GPU, ("0", "1"), None, False, VIS)], False),
+    ([f"NVIDIA_VISIBLE_DEVICES={UUID0},{UUID1}"], [(GPU, (UUID0, UUID1), None, False, VIS)],
+     False),
+    ([f"NVIDIA_VISIBLE_DEVICES={MIG0}"], [(GPU, (MIG0,), None, False, VIS)], False),
+    (["NVIDIA_VISIBLE_DEVICES=0:1,1:0"], [(GPU, ("0:1", "1:0"), None, False, VIS)], False),
+    (["NVIDIA_VISIBLE_DEVICES=00000000:3B:00.0"],
+     [(GPU, ("00000000:3B:00.0",), None, False, VIS)], False),
+    (["NVIDIA_VISIBLE_DEVICES=0,void"], [], False),
+    (["NVIDIA_VISIBLE_DEVICES=0,none"], [], True),
+    (["NVIDIA_VISIBLE_DEVICES=all,none"], [], True),
+    (["NVIDIA_VISIBLE_DEVICES=none,void"], [], False),
+    (["NVIDIA_VISIBLE_DEVICES=1,all"], [(GPU, (), None, True, VIS)], False),
+    (["NVIDIA_VISIBLE_DEVICES=ALL"], [(GPU, ("ALL",), None, False, VIS)], False),  # exact
+    (["NVIDIA_VISIBLE_DEVICES=0-3"], [(GPU, ("0-3",), None, False, VIS)], False),  # no ranges
+    (["NVIDIA_VISIBLE_DEVICES=nvidia.com/gpu=1"], [(GPU, ("1",), None, False, VIS)], False),
+    ([LEGACY], [(GPU, (), None, True, LEGACY_SOURCE)], False),
+    ([LEGACY, "NVIDIA_VISIBLE_DEVICES="], [], False),
+    ([LEGACY, "NVIDIA_VISIBLE_DEVICES=void"], [], False),
+    ([LEGACY, "NVIDIA_VISIBLE_DEVICES=1"], [(GPU, ("1",), None, False, VIS)], False),
+    (["CUDA_VERSION=12.4.1", "NVIDIA_REQUIRE_CUDA=cuda>=12.4"], [], False),  # not legacy
+    # OCI env: the last definition of a name wins.
+    (["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_VISIBLE_DEVICES=1"],
+     [(GPU, ("1",), None, False, VIS)], False),
+    (["NVIDIA_VISIBLE_DEVICES=1", "NVIDIA_VISIBLE_DEVICES=void"], [], False),
+]
+
+
+@pytest.mark.parametrize(("env", "expected", "none"), VISIBLE)
+def test_nvidia_visible_devices(env: list[str], expected: list[tuple[object, ...]],
+                                none: bool) -> None:
+    req = parse(env=env)
+    assert claims(req) == expected
+    assert req.nvidia_none is none
+
+
+# nvidia-docker 2's wrapper: NV_GPU (if non-empty) became -e NVIDIA_VISIBLE_DEVICES with
+# blanks turned into commas. Read only when NVIDIA_VISIBLE_DEVICES is unset.
+@pytest.mark.parametrize(("env", "expected"), [
+    (["NV_GPU=0 1"], [(GPU, ("0", "1"), None, False, "env NV_GPU")]),
+    (["NV_GPU=0,1"], [(GPU, ("0", "1"), None, False, "env NV_GPU")]),
+    ([f"NV_GPU={UUID0}"], [(GPU, (UUID0,), None, False, "env NV_GPU")]),
+    (["NV_GPU=all"], [(GPU, (), None, True, "env NV_GPU")]),
+    (["NV_GPU="], []),
+    (["NV_GPU= "], []),
+    (["NV_GPU=0", "NVIDIA_VISIBLE_DEVICES=1"], [(GPU, ("1",), None, False, VIS)]),
+    (["NV_GPU=0", "NVIDIA_VISIBLE_DEVICES="], []),
+    (["NV_GPU=0", LEGACY], [(GPU, ("0",), None, False, "env NV_GPU")]),
+])
+def test_nv_gpu_alias(env: list[str], expected: list[tuple[object, ...]]) -> None:
+    assert claims(parse(env=env)) == expected
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("../../dev/nvidia0", "invalid device id '../../dev/nvidia0'"),
+    ("0,/proc/1/root", "invalid device id '/proc/1/root'"),
+    ("nvidia.com=0", "invalid device kind 'nvidia.com'"),
+    ("GPU-x/y", "invalid device id 'GPU-x/y'"),
+])
+def test_nvidia_visible_devices_rejects(value: str, message: str) -> None:
+    with pytest.raises(RequestError) as err:
+        parse(env=[f"NVIDIA_VISIBLE_DEVICES={value}"])
+    assert err.value.source == VIS
+    assert message in err.value.message
+
+
+# NVIDIA_DRIVER_CAPABILITIES (cmd/nvidia-container-runtime-hook getDriverCapabilities):
+# empty or unset -> utility,compute; unset in a legacy image -> all; all -> every one;
+# blanks and empty tokens ignored; unsupported names fail the container.
+@pytest.mark.parametrize(("env", "caps", "source"), [
+    ([], DEFAULT_CAPABILITIES, ""),
+    (["NVIDIA_DRIVER_CAPABILITIES="], DEFAULT_CAPABILITIES, "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES=,"], DEFAULT_CAPABILITIES, "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES=all"], ALL_CAPABILITIES, "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES=compute,all"], ALL_CAPABILITIES,
+     "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES=compute,compat32,graphics,utility,video,display,ngx"],
+     ALL_CAPABILITIES, "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES= video , ,utility"], {"video", "utility"},
+     "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES=graphics"], {"graphics"}, "env NVIDIA_DRIVER_CAPABILITIES"),
+    ([LEGACY], ALL_CAPABILITIES, "env CUDA_VERSION (legacy image: all capabilities)"),
+    ([LEGACY, "NVIDIA_DRIVER_CAPABILITIES="], DEFAULT_CAPABILITIES,
+     "env NVIDIA_DRIVER_CAPABILITIES"),
+    ([LEGACY, "NVIDIA_DRIVER_CAPABILITIES=utility"], {"utility"},
+     "env NVIDIA_DRIVER_CAPABILITIES"),
+])
+def test_driver_capabilities(env: list[str], caps: set[str], source: str) -> None:
+    req = parse(env=env)
+    assert req.capabilities == caps
+    assert req.capabilities_source == source
+
+
+@pytest.mark.parametrize("value", ["compute,gpu", "COMPUTE", "compute;utility", "none"])
+def test_driver_capabilities_unknown_rejected(value: str) -> None:
+    with pytest.raises(RequestError, match="unknown driver capabilities") as err:
+        parse(env=[f"NVIDIA_DRIVER_CAPABILITIES={value}"])
+    assert err.value.source == "env NVIDIA_DRIVER_CAPABILITIES"
+
+
+# NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES (toolkit migCapsDevices.Validate):
+# "" asks nothing, "all" asks for the capability, anything else fails.
+@pytest.mark.parametrize(("env", "config", "monitor"), [
+    ([], False, False),
+    (["NVIDIA_MIG_CONFIG_DEVICES=all"], True, False),
+    (["NVIDIA_MIG_MONITOR_DEVICES=all"], False, True),
+    (["NVIDIA_MIG_CONFIG_DEVICES=all", "NVIDIA_MIG_MONITOR_DEVICES=all"], True, True),
+    (["NVIDIA_MIG_MONITOR_DEVICES="], False, False),
+])
+def test_mig_caps(env: list[str], config: bool, monitor: bool) -> None:
+    req = parse(env=env)
+    assert (req.mig_config, req.mig_monitor) == (config, monitor)
+
+
+@pytest.mark.parametrize("value", ["0", "0,1", "ALL", " all"])
+def test_mig_caps_other_values_rejected(value: str) -> None:
+    with pytest.raises(RequestError, match="only 'all' is supported") as err:
+        parse(env=[f"NVIDIA_MIG_MONITOR_DEVICES={value}"])
+    assert err.value.source == "env NVIDIA_MIG_MONITOR_DEVICES"
+    assert not isinstance(err.value, PolicyError)
+
+
+# AWS_NEURON_VISIBLE_DEVICES (aws-neuron-sdk container docs): ALL, lists, ranges.
+NSRC = "env AWS_NEURON_VISIBLE_DEVICES"
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("ALL", [(NEURON, (), None, True, NSRC)]),
+    ("all", [(NEURON, (), None, True, NSRC)]),
+    ("0,1", [(NEURON, ("0", "1"), None, False, NSRC)]),
+    ("2,3", [(NEURON, ("2", "3"), None, False, NSRC)]),
+    ("0-3", [(NEURON, ("0", "1", "2", "3"), None, False, NSRC)]),
+    ("0-1, 4", [(NEURON, ("0", "1", "4"), None, False, NSRC)]),
+    ("1,ALL", [(NEURON, (), None, True, NSRC)]),
+    ("", []),
+    (" , ", []),
+])
+def test_neuron_visible_devices(value: str, expected: list[tuple[object, ...]]) -> None:
+    assert claims(parse(env=[f"AWS_NEURON_VISIBLE_DEVICES={value}"])) == expected
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("3-1", "reversed range"),
+    ("0-1000", "names more than 256 devices"),
+    ("/dev/neuron0", "invalid device id"),
+])
+def test_neuron_visible_devices_rejects(value: str, message: str) -> None:
+    with pytest.raises(RequestError, match=message) as err:
+        parse(env=[f"AWS_NEURON_VISIBLE_DEVICES={value}"])
+    assert err.value.source == NSRC
+
+
+def test_cuda_image_in_standalone_gets_all_gpus_and_its_requirements() -> None:
+    req = parse(env=CUDA_IMAGE_ENV)
+    assert claims(req) == [(GPU, (), None, True, VIS)]
+    assert req.capabilities == {"compute", "utility"}
+    assert req.requirements is not None
+    assert [r.source for r in req.requirements.items] == ["env NVIDIA_REQUIRE_CUDA"]
+
+
+def test_entries_without_equals_are_not_variables() -> None:
+    assert parse(env=["NVIDIA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES=2"]).grants[0].ids == (
+        "2",)

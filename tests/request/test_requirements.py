@@ -1,0 +1,192 @@
+"""NVIDIA_REQUIRE_* against libnvidia-container's src/cli/dsl.c and configure.c, and the
+toolkit's cuda_image.go (legacy CUDA_VERSION, NVIDIA_DISABLE_REQUIRE, JETPACK skipped)."""
+
+from __future__ import annotations
+
+import pytest
+from request_testing import parse
+
+from nri_accel.errors import RequestError
+from nri_accel.requirements import (
+    Constraint,
+    Requirements,
+    parse_requirement,
+    requirements_from_env,
+)
+
+SRC = "env NVIDIA_REQUIRE_CUDA"
+
+
+# dsl_compare_version: numeric components, trailing zero components ignored.
+@pytest.mark.parametrize(("fact", "op", "value", "holds"), [
+    ("12.4", ">=", "12.4", True),
+    ("12.4", ">=", "12", True),
+    ("12.4", ">", "12", True),
+    ("12", "=", "12.0", True),
+    ("12.0.0", "=", "12", True),
+    ("12", "!=", "12.0.0", False),
+    ("12.1", "<", "12.10", True),
+    ("12.10", ">", "12.9", True),
+    ("12.2", ">=", "12.4", False),
+    ("535.104.05", ">=", "535.104", True),
+    ("535.104.05", "<", "535.104.5", False),  # 05 == 5
+    ("470.57.02", "<", "471", True),
+    ("470.57.02", ">=", "470", True),
+    ("470", "<=", "470.0", True),
+    ("8.0", ">=", "7.5", True),
+    ("8.6", "!=", "8.6", False),
+    ("9.0", "<", "10.0", True),
+])
+def test_version_comparison(fact: str, op: str, value: str, holds: bool) -> None:
+    assert Constraint("cuda", op, value).holds({"cuda": fact}) is holds
+
+
+@pytest.mark.parametrize(("fact", "op", "value", "holds"), [
+    ("tesla", "=", "tesla", True),
+    ("Tesla", "=", "TESLA", True),  # str_case_equal
+    ("geforce", "=", "tesla", False),
+    ("geforce", "!=", "tesla", True),
+    ("tesla", "!=", "Tesla", False),
+])
+def test_brand_comparison(fact: str, op: str, value: str, holds: bool) -> None:
+    assert Constraint("brand", op, value).holds({"brand": fact}) is holds
+
+
+def test_unknown_facts_satisfy_constraints() -> None:
+    # configure.c: no device -> arch and brand hold; no CUDA/driver version -> holds.
+    req = parse_requirement(SRC, "arch>=9.0,brand=tesla,cuda>=99,driver>=999")
+    assert req.holds({})
+    assert req.holds({"cuda": "", "driver": ""})
+    assert not req.holds({"arch": "8.0"})
+
+
+def test_unparseable_fact_fails() -> None:
+    assert not Constraint("driver", ">=", "1").holds({"driver": "unknown"})
+
+
+# Space-separated alternatives are ORed; comma-separated constraints are ANDed.
+CUDA_12_4 = ("cuda>=12.4 brand=tesla,driver>=470,driver<471 "
+             "brand=unknown,driver>=470,driver<471 brand=tesla,driver>=535,driver<536")
+
+
+@pytest.mark.parametrize(("facts", "holds"), [
+    ({"cuda": "12.4", "driver": "550.54.15", "brand": "tesla"}, True),
+    ({"cuda": "12.2", "driver": "535.104.05", "brand": "tesla"}, True),  # 3rd alternative
+    ({"cuda": "12.2", "driver": "535.104.05", "brand": "geforce"}, False),
+    ({"cuda": "11.4", "driver": "470.57.02", "brand": "Unknown"}, True),
+    ({"cuda": "12.0", "driver": "525.60.13", "brand": "tesla"}, False),
+])
+def test_or_of_ands(facts: dict[str, str], holds: bool) -> None:
+    assert parse_requirement(SRC, CUDA_12_4).holds(facts) is holds
+
+
+def test_empty_groups_and_tokens_are_skipped() -> None:
+    req = parse_requirement(SRC, "  cuda>=12,, ,driver>=1  ")
+    assert req.alternatives == ((Constraint("cuda", ">=", "12"),),
+                                (Constraint("driver", ">=", "1"),))
+    assert parse_requirement(SRC, "").holds({"cuda": "1"})
+
+
+def test_keys_are_case_insensitive() -> None:
+    assert parse_requirement(SRC, "CUDA>=12").alternatives == ((Constraint("cuda", ">=", "12"),),)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("cuda>=", "expected KEY OP VALUE"),
+    ("cuda", "expected KEY OP VALUE"),
+    (">=12", "expected KEY OP VALUE"),
+    ("cuda=>12", "unknown operator '=>'"),
+    ("cuda==12", "unknown operator '=='"),
+    ("cuda>=12a", "dotted version"),
+    ("cuda>=12..1", "dotted version"),
+    ("driver>=470,brand<tesla", "compares only with = or !="),
+    ("foo=1", "unknown key 'foo'"),
+    ("cuda>=12 jetpack=5", "unknown key 'jetpack'"),  # checked even after a true alternative
+])
+def test_malformed_constraints_rejected(text: str, message: str) -> None:
+    with pytest.raises(RequestError, match=message) as err:
+        parse_requirement(SRC, text)
+    assert err.value.source == SRC
+
+
+def test_every_variable_must_hold_and_jetpack_is_skipped() -> None:
+    reqs = requirements_from_env({
+        "NVIDIA_REQUIRE_CUDA": "cuda>=12.0",
+        "NVIDIA_REQUIRE_ARCH": "arch>=8.0",
+        "NVIDIA_REQUIRE_JETPACK": "not a constraint",
+        "NVIDIA_REQUIRE_JETPACK_HOST_MOUNTS": "",
+    })
+    assert reqs is not None
+    assert [r.source for r in reqs.items] == ["env NVIDIA_REQUIRE_ARCH", SRC]
+    assert reqs.check({"cuda": "12.4", "arch": "9.0"}) is None
+    assert reqs.check({"cuda": "12.4", "arch": "7.5"}) == (
+        "env NVIDIA_REQUIRE_ARCH: unsatisfied condition: arch>=8.0 (this GPU has arch=7.5)")
+    assert reqs.unsatisfied({"cuda": "11.8", "arch": "9.0"}) == (
+        SRC, "unsatisfied condition: cuda>=12.0 (this GPU has cuda=11.8); update the driver "
+             "or use an image built for an earlier CUDA")
+
+
+def test_message_counts_alternatives() -> None:
+    reqs = Requirements((parse_requirement(SRC, CUDA_12_4),))
+    msg = reqs.check({"cuda": "12.0", "driver": "525.60.13", "brand": "tesla"})
+    assert msg is not None
+    assert msg.startswith(f"{SRC}: unsatisfied condition: cuda>=12.4 (this GPU has cuda=12.0)")
+    assert "none of the 4 alternatives holds" in msg
+
+
+# Legacy image: CUDA_VERSION set and NVIDIA_REQUIRE_CUDA unset or empty -> cuda>=MAJOR.MINOR
+# (cuda_image.go legacyVersion, golang.org/x/mod/semver).
+@pytest.mark.parametrize(("version", "required"), [
+    ("9.0.176", "cuda>=9.0"),
+    ("10.1", "cuda>=10.1"),
+    ("v11.2.0", "cuda>=11.2"),
+    ("12", "cuda>=12.0"),
+    ("11.0.3-rc1", "cuda>=11.0"),
+])
+def test_legacy_cuda_version(version: str, required: str) -> None:
+    for extra in ({}, {"NVIDIA_REQUIRE_CUDA": ""}):
+        reqs = requirements_from_env({"CUDA_VERSION": version, **extra})
+        assert reqs is not None
+        assert [(r.source, r.text) for r in reqs.items] == [("env CUDA_VERSION", required)]
+
+
+@pytest.mark.parametrize("version", ["abc", "01.2", "9.0.176.1", "9.x", "9.0-rc1", " 9.0"])
+def test_legacy_cuda_version_invalid(version: str) -> None:
+    with pytest.raises(RequestError, match="invalid CUDA version") as err:
+        requirements_from_env({"CUDA_VERSION": version})
+    assert err.value.source == "env CUDA_VERSION"
+
+
+def test_not_legacy_when_require_cuda_is_set() -> None:
+    reqs = requirements_from_env({"CUDA_VERSION": "12.4.1", "NVIDIA_REQUIRE_CUDA": "cuda>=12.4"})
+    assert reqs is not None
+    assert [r.source for r in reqs.items] == [SRC]
+
+
+# NVIDIA_DISABLE_REQUIRE: Go strconv.ParseBool, an invalid value counts as false.
+@pytest.mark.parametrize(("value", "disabled"), [
+    ("true", True), ("1", True), ("t", True), ("T", True), ("TRUE", True), ("True", True),
+    ("false", False), ("0", False), ("", False), ("yes", False), ("on", False),
+    ("tRUE", False),
+])
+def test_disable_require(value: str, disabled: bool) -> None:
+    env = {"NVIDIA_DISABLE_REQUIRE": value, "NVIDIA_REQUIRE_CUDA": "cuda>=12",
+           "CUDA_VERSION": "9.0"}
+    assert (requirements_from_env(env) is None) is disabled
+
+
+def test_disable_require_skips_malformed_values() -> None:
+    assert requirements_from_env({"NVIDIA_DISABLE_REQUIRE": "1",
+                                  "NVIDIA_REQUIRE_CUDA": "garbage"}) is None
+
+
+def test_no_requirements_is_none() -> None:
+    assert requirements_from_env({}) is None
+    assert requirements_from_env({"NVIDIA_REQUIRE_CUDA": " "}) is None
+
+
+def test_request_carries_requirements_and_names_the_variable() -> None:
+    assert parse(env=["NVIDIA_REQUIRE_CUDA=cuda>=12"]).requirements is not None
+    with pytest.raises(RequestError) as err:
+        parse(env=["NVIDIA_REQUIRE_DRIVER=driver>=abc"])
+    assert err.value.source == "env NVIDIA_REQUIRE_DRIVER"

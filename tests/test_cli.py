@@ -1,0 +1,56 @@
+"""The command line: help for every verb, version, and exit codes for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from nri_accel import __version__
+from nri_accel.cli import build_parser, main
+
+VERBS = ["run", "discover", "explain", "cdi", "device-plugin", "check", "demo", "version"]
+
+
+def test_every_stable_verb_has_help(capsys) -> None:
+    for verb in VERBS:
+        with pytest.raises(SystemExit) as e:
+            main([verb, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert f"nri-accel {verb}" in out
+
+
+def test_stable_flags_exist() -> None:
+    p = build_parser()
+    run = p.parse_args(["run", "--socket", "/s", "--name", "n", "--idx", "10",
+                        "--config", "c", "--inventory", "i"])
+    assert (run.socket, run.name, run.idx, run.config, run.inventory) == ("/s", "n", "10", "c", "i")
+    exp = p.parse_args(["explain", "--root", "/r", "--pod", "p.yaml", "--container", "c", "--json"])
+    assert (exp.root, exp.pod, exp.container, exp.json) == ("/r", "p.yaml", "c", True)
+    gen = p.parse_args(["cdi", "generate", "--inventory", "i", "--output", "o"])
+    assert gen.output == "o"
+    dp = p.parse_args(["device-plugin", "--kubelet-dir", "/k", "--config", "c"])
+    assert dp.kubelet_dir == "/k"
+
+
+def test_inventory_and_root_are_exclusive(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["explain", "--inventory", "a", "--root", "/", "--pod", "p"])
+    assert e.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_version() -> None:
+    out = subprocess.run([sys.executable, "-m", "nri_accel.cli", "version"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == f"nri-accel {__version__}"
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path, capsys) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[policy]\nmode = "open"\n')
+    rc = main(["check", "--config", str(cfg), "--inventory", str(tmp_path / "x.json")])
+    assert rc == 2
+    assert "policy.mode" in capsys.readouterr().err
