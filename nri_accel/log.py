@@ -22,9 +22,23 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}
 
 
+class _StderrNow:
+    """sys.stderr as it is at each write, not at configure(): loggers are cached at first
+    use and must follow a later swap of sys.stderr (test capture, daemon redirection)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure(level: str = "info", fmt: str = "auto", file: IO[str] | None = None) -> None:
     """Configure structlog for the process. fmt: auto | json | console."""
-    out = file if file is not None else sys.stderr
+    out = file if file is not None else _StderrNow()
     if fmt == "auto":
         fmt = "console" if getattr(out, "isatty", lambda: False)() else "json"
     renderer: Any = (
@@ -52,7 +66,9 @@ def configure(level: str = "info", fmt: str = "auto", file: IO[str] | None = Non
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(out),
-        cache_logger_on_first_use=True,
+        # Not cached: configure() may run again (tests, `run --log-file`) and every
+        # logger, module-level ones included, must follow the newest configuration.
+        cache_logger_on_first_use=False,
     )
 
 

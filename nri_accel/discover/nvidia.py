@@ -1,0 +1,530 @@
+"""NVIDIA discovery: GPUs, MIG devices and the driver's files, from NVML and the host.
+
+Owns: discover_nvidia(root) and the NVIDIA facts it encodes (which libraries and
+binaries each driver capability brings, brand/architecture names, MIG profiles, device
+node and capability-file layout). Imports nri_accel.discover.{nvml, ldcache,
+hostroot, base}, nri_accel.inventory and nri_accel.log; never pynvml itself (the nvml
+adapter does). Runs at startup and on refresh, never on a CreateContainer.
+
+What it finds:
+- libnvidia-ml.so.1 located in the driver root like the node's loader would
+  (ldcache.Locator); that file is what NVML is loaded from.
+- A Device of kind nvidia.com/gpu per GPU (name = NVML index; uuid "GPU-..."; alias the
+  PCI bus id "0000:07:00.0"; edits: /dev/nvidia<minor>; attributes name, brand,
+  arch, compute_capability, memory_mib, mig_mode for MIG-capable GPUs), links = the
+  GPUs it reaches over NVLink (directly, or through NVSwitches: every GPU on the
+  switch fabric is a peer of every other).
+- A Device of kind nvidia.com/mig per MIG device (name "<gpu index>:<mig index>",
+  the NVIDIA_VISIBLE_DEVICES syntax; uuid "MIG-..."; alias "MIG-GPU-<uuid>/<gi>/<ci>";
+  edits: the parent's /dev/nvidia<minor> plus the nvidia-caps nodes of its GPU and
+  compute instances' "access" capabilities; parent = the GPU's name).
+- Driver("nvidia") with its files by capability, as libnvidia-container grants them
+  (src/nvc_info.c lists, src/nvc_mount.c rules):
+    ""          /dev/nvidiactl
+    utility     NVML & co. libraries, nvidia-smi/-debugdump/-persistenced/nv-fabricmanager,
+                GSP firmware, the persistenced and fabric manager sockets
+    compute     CUDA libraries, the MPS binaries, GSP firmware, /dev/nvidia-uvm,
+                /dev/nvidia-uvm-tools, the MPS pipe directory
+    video       video libraries plus what compute brings except its binaries
+    graphics    OpenGL/EGL/Vulkan libraries
+    display     the graphics libraries and /dev/nvidia-modeset
+    ngx         libnvidia-ngx
+    compat32    the 32-bit builds of all of those libraries (x86_64 nodes)
+    mig-config  /dev/nvidia-caps/nvidia-cap<N> of capabilities/mig/config
+    mig-monitor /dev/nvidia-caps/nvidia-cap<N> of capabilities/mig/monitor
+  Libraries are only the exact `<name>.so.<driver version>` files; each is mounted
+  read-only at /usr/local/nvidia/lib64/<soname> (lib/ for compat32), binaries at
+  /usr/bin/<name>, firmware and IPC paths where the driver root has them.
+
+Device nodes are taken with lstat: major/minor from the node itself, a symlink or a
+non-device refused with a Problem (and left out), never followed. A node whose
+/dev/char/<major>:<minor> link is missing is reported (runc's systemd cgroup driver
+needs it). NVML absent or failing: Found with one Problem, other vendors unaffected.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import stat
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from nri_accel.discover import nvml
+from nri_accel.discover.base import Found
+from nri_accel.discover.hostroot import HostRoot
+from nri_accel.discover.ldcache import ARCHES, COMPAT32, Arch, Locator
+from nri_accel.inventory import (
+    KIND_GPU,
+    KIND_MIG,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Driver,
+    Mount,
+    Problem,
+    merge_edits,
+)
+from nri_accel.log import get_logger
+
+log = get_logger(__name__)
+
+VENDOR = "nvidia"
+NVML_SONAME = "libnvidia-ml.so.1"
+NVIDIA_MAJOR = 195
+NVIDIACTL_MINOR = 255
+MODESET_MINOR = 254
+LIB_DIR = "/usr/local/nvidia/lib64"
+LIB32_DIR = "/usr/local/nvidia/lib"
+BIN_DIR = "/usr/bin"
+PROC_CAPS = "/proc/driver/nvidia/capabilities"
+IPC_OPTIONS = ("ro", "nosuid", "nodev", "noexec", "bind")
+MIB = 1 << 20
+GIB = 1 << 30
+
+# libnvidia-container src/nvc_info.c
+UTILITY_LIBS = ("libnvidia-ml.so", "libnvidia-cfg.so", "libnvidia-nscq.so")
+COMPUTE_LIBS = (
+    "libcuda.so", "libcudadebugger.so", "libnvidia-opencl.so", "libnvidia-gpucomp.so",
+    "libnvidia-ptxjitcompiler.so", "libnvidia-fatbinaryloader.so", "libnvidia-allocator.so",
+    "libnvidia-compiler.so", "libnvidia-pkcs11.so", "libnvidia-pkcs11-openssl3.so",
+    "libnvidia-nvvm.so", "libnvidia-tileiras.so",
+)
+VIDEO_LIBS = ("libvdpau_nvidia.so", "libnvidia-encode.so", "libnvidia-opticalflow.so",
+              "libnvcuvid.so")
+GRAPHICS_LIBS = (
+    "libnvidia-eglcore.so", "libnvidia-glcore.so", "libnvidia-tls.so", "libnvidia-glsi.so",
+    "libnvidia-fbc.so", "libnvidia-ifr.so", "libnvidia-rtcore.so", "libnvoptix.so",
+    # GLVND vendor libraries
+    "libGLX_nvidia.so", "libEGL_nvidia.so", "libGLESv2_nvidia.so", "libGLESv1_CM_nvidia.so",
+    "libnvidia-glvkspirv.so", "libnvidia-cbl.so",
+    # pre-GLVND drivers ship these with the driver's version; GLVND's own never match it
+    "libGL.so", "libEGL.so", "libGLESv1_CM.so", "libGLESv2.so",
+)
+NGX_LIBS = ("libnvidia-ngx.so",)
+UTILITY_BINS = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nv-fabricmanager")
+COMPUTE_BINS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
+PERSISTENCED_SOCKET = "/var/run/nvidia-persistenced/socket"
+FABRICMANAGER_SOCKET = "/var/run/nvidia-fabricmanager/socket"
+MPS_PIPE_DIR = "/tmp/nvidia-mps"
+
+# Lower-case names as CUDA images write them in NVIDIA_REQUIRE_CUDA ("brand=tesla").
+BRANDS = {
+    0: "unknown", 1: "quadro", 2: "tesla", 3: "nvs", 4: "grid", 5: "geforce", 6: "titan",
+    7: "vapps", 8: "vpc", 9: "vcs", 10: "vws", 11: "cloudgaming", 12: "quadrortx",
+    13: "nvidiartx", 14: "nvidia", 15: "geforcertx", 16: "titanrtx",
+}
+ARCHITECTURES = {
+    2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing", 7: "ampere", 8: "ada",
+    9: "hopper", 10: "blackwell",
+}
+# What discovery does instead when the driver lacks an NVML function.
+_FALLBACKS = {
+    "nvmlDeviceGetNumaNodeId": "NUMA nodes are read from sysfs",
+    "nvmlDeviceGetAttributes": "MIG profiles are read from the MIG device names",
+    "nvmlDeviceGetNvLinkRemoteDeviceType": "only direct GPU-to-GPU NVLinks are known",
+}
+_NVLINK_GPU = 0
+_NVLINK_SWITCH = 2
+_PROFILE_RE = re.compile(r"^(\d+c\.)?\d+g\.\d+gb(\+[a-z0-9]+)*$")
+_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?$")
+_BUS_ID_RE = re.compile(r"^([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])$")
+
+
+def normalise_pci_bus_id(value: str) -> str:
+    """A PCI bus id in sysfs form, "0000:07:00.0", from NVML's "00000000:07:00.0" or
+    any case/width variant. Raises ValueError for anything else."""
+    m = _BUS_ID_RE.match(value.strip())
+    if not m:
+        raise ValueError(f"not a PCI bus id: {value!r}")
+    domain, bus, dev, fn = m.groups()
+    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{fn}"
+
+
+def discover_nvidia(root: HostRoot) -> Found:
+    """NVIDIA GPUs, MIG devices and driver files under `root`. Never raises for a
+    missing or broken driver: the reason is a Problem."""
+    started = time.perf_counter()
+    locator = Locator(root)
+    problems = list(locator.problems)
+    lib = locator.find_soname(NVML_SONAME)
+    if lib is None:
+        problems.append(Problem(VENDOR, (
+            f"{NVML_SONAME} not found under driver root {root.driver_root} (ld.so.cache, "
+            "standard library directories): NVIDIA GPUs are not discovered")))
+        return Found(problems=tuple(problems))
+    try:
+        snap = nvml.query(locator.local_path(lib))
+    except nvml.NvmlUnavailable as e:
+        problems.append(Problem(VENDOR, f"{e} (library {locator.host_path(lib)}): "
+                                        "NVIDIA GPUs are not discovered"))
+        return Found(problems=tuple(problems))
+
+    scan = _Scan(root, problems)
+    problems.extend(Problem(VENDOR, f"the driver lacks {fn}: "
+                                    f"{_FALLBACKS.get(fn, 'that field is left empty')}")
+                    for fn in snap.missing)
+    problems.extend(Problem(VENDOR, msg) for msg in snap.errors)
+    lib_version = lib.rpartition("/")[2].removeprefix("libnvidia-ml.so.")
+    if _VERSION_RE.match(lib_version) and lib_version != snap.driver_version:
+        problems.append(Problem(locator.host_path(lib), (
+            f"is version {lib_version} but the kernel driver is {snap.driver_version}: "
+            "libraries are looked up for the kernel driver's version")))
+
+    devices = _devices(snap, scan)
+    driver = Driver(
+        vendor=VENDOR,
+        version=snap.driver_version,
+        cuda_version=_cuda_version(snap.cuda_version),
+        capabilities=MappingProxyType(_capabilities(locator, snap.driver_version, scan)),
+    )
+    log.debug("nvidia_discovered", gpus=len(snap.gpus), devices=len(devices),
+              driver=snap.driver_version, problems=len(problems),
+              ms=round((time.perf_counter() - started) * 1000, 2))
+    return Found(devices=tuple(devices), drivers=(driver,), problems=tuple(problems))
+
+
+# ---- host device nodes ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Scan:
+    """Reads device nodes and /proc for one discovery, collecting Problems."""
+
+    root: HostRoot
+    problems: list[Problem]
+    _caps_major: int | None = field(default=None)
+    _caps_major_read: bool = field(default=False)
+
+    def node(self, name: str, *, expect: tuple[int | None, int | None] = (None, None),
+             what: str, required: bool = True) -> DeviceNode | None:
+        """The character device /dev/<name>, from lstat of the host node. `expect`:
+        (major, minor) it must have (None: any). Problems name the node and `what`
+        is left out. A missing node that is not `required` is silently absent."""
+        host = self.root.dev_path(name)
+        try:
+            st = self.root.lstat(host)
+        except FileNotFoundError:
+            if required:
+                self.problems.append(Problem(host, f"missing: {what} is left out"))
+            return None
+        except OSError as e:
+            self.problems.append(Problem(host, f"cannot stat ({e.strerror}): {what} is left out"))
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            self.problems.append(Problem(host, (
+                f"is a symlink, refused (device numbers are taken only from the node "
+                f"itself): {what} is left out")))
+            return None
+        if not stat.S_ISCHR(st.st_mode):
+            self.problems.append(Problem(host, f"is not a character device: {what} is left out"))
+            return None
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        want_major, want_minor = expect
+        if (want_major is not None and major != want_major) or \
+                (want_minor is not None and minor != want_minor):
+            want = f"{'*' if want_major is None else want_major}:" \
+                   f"{'*' if want_minor is None else want_minor}"
+            self.problems.append(Problem(host, (
+                f"is device {major}:{minor}, expected {want}: {what} is left out")))
+            return None
+        self._check_char_link(host, major, minor)
+        path = "/dev/" + name
+        return DeviceNode(path=path, major=major, minor=minor, type="c",
+                          host_path="" if host == path else host,
+                          file_mode=stat.S_IMODE(st.st_mode))
+
+    def _check_char_link(self, host: str, major: int, minor: int) -> None:
+        link = self.root.dev_path(f"char/{major}:{minor}")
+        hint = ("runc's systemd cgroup driver needs it to allow the device "
+                "(nvidia-ctk system create-dev-char-symlinks --create-all)")
+        try:
+            st = self.root.lstat(link)
+        except OSError:
+            self.problems.append(Problem(link, f"missing (a link to {host}): {hint}"))
+            return
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(self.root.local(link))
+            resolved = os.path.normpath(os.path.join(os.path.dirname(link), target))
+            if resolved != host:
+                self.problems.append(Problem(link, f"points to {target}, not {host}: {hint}"))
+        elif not (stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(major, minor)):
+            self.problems.append(Problem(link, f"is neither a link to {host} nor that device"))
+
+    def cap_node(self, proc_path: str, *, what: str) -> DeviceNode | None:
+        """The /dev/nvidia-caps node named by an nvidia capability file in /proc
+        ("DeviceFileMinor: N"), checked against the nvidia-caps major."""
+        minor = self._cap_minor(proc_path)
+        if minor is None:
+            self.problems.append(Problem(proc_path, f"missing or unreadable: {what} is left out"))
+            return None
+        major = self.caps_major()
+        if major is None:
+            self.problems.append(Problem("/proc/devices", (
+                f"no nvidia-caps character device major: {what} is left out")))
+            return None
+        return self.node(f"nvidia-caps/nvidia-cap{minor}", expect=(major, minor), what=what)
+
+    def _cap_minor(self, proc_path: str) -> int | None:
+        try:
+            text = self.root.read_text(proc_path)
+        except OSError:
+            return None
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "DeviceFileMinor":
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+        return None
+
+    def caps_major(self) -> int | None:
+        if not self._caps_major_read:
+            self._caps_major_read = True
+            self._caps_major = _char_major(self.root, "nvidia-caps")
+        return self._caps_major
+
+    def numa_from_sysfs(self, bus_id: str) -> int | None:
+        try:
+            value = int(self.root.read_text(
+                self.root.sys_path(f"bus/pci/devices/{bus_id}/numa_node")))
+        except (OSError, ValueError):
+            return None
+        return value if value >= 0 else None
+
+
+def _char_major(root: HostRoot, driver: str) -> int | None:
+    """The major of character driver `driver` in /proc/devices."""
+    try:
+        text = root.read_text("/proc/devices")
+    except OSError:
+        return None
+    in_char = False
+    for line in text.splitlines():
+        if line.strip().endswith("devices:"):
+            in_char = line.strip() == "Character devices:"
+            continue
+        fields = line.split()
+        if in_char and len(fields) == 2 and fields[1] == driver and fields[0].isdigit():
+            return int(fields[0])
+    return None
+
+
+# ---- devices -------------------------------------------------------------------------
+
+
+def _devices(snap: nvml.NvmlSnapshot, scan: _Scan) -> list[Device]:
+    gpu_by_bus: dict[str, str] = {}
+    bus_of: dict[int, str] = {}
+    for g in snap.gpus:
+        try:
+            bus_of[g.index] = normalise_pci_bus_id(g.pci_bus_id)
+            gpu_by_bus[bus_of[g.index]] = str(g.index)
+        except ValueError:
+            scan.problems.append(Problem(VENDOR, f"GPU {g.index}: bad PCI bus id "
+                                                 f"{g.pci_bus_id!r}"))
+    peers = _nvlink_peers(snap.gpus, gpu_by_bus)
+    devices: list[Device] = []
+    for g in snap.gpus:
+        name = str(g.index)
+        what = f"GPU {g.index} ({g.uuid})"
+        bus = bus_of.get(g.index, "")
+        node = scan.node(f"nvidia{g.minor}", expect=(NVIDIA_MAJOR, g.minor),
+                         what=what + (" and its MIG devices" if g.migs else ""))
+        if node is None:
+            continue
+        numa = g.numa_node if g.numa_node is not None else scan.numa_from_sysfs(bus)
+        attrs = {"name": g.name}
+        if g.brand is not None:
+            attrs["brand"] = BRANDS.get(g.brand, "unknown")
+        if g.arch is not None:
+            attrs["arch"] = ARCHITECTURES.get(g.arch, "unknown")
+        if g.compute_capability is not None:
+            attrs["compute_capability"] = "{}.{}".format(*g.compute_capability)
+        if g.memory_total is not None:
+            attrs["memory_mib"] = str(g.memory_total // MIB)
+        if g.mig_current is not None:
+            attrs["mig_mode"] = "enabled" if g.mig_current else "disabled"
+            if g.mig_pending != g.mig_current:
+                scan.problems.append(Problem(VENDOR, (
+                    f"{what}: MIG mode change to "
+                    f"{'enabled' if g.mig_pending else 'disabled'} is pending a GPU reset")))
+        devices.append(Device(
+            kind=KIND_GPU, name=name, uuid=g.uuid, aliases=(bus,) if bus else (),
+            edits=ContainerEdits(device_nodes=(node,)), numa_node=numa, pci_bus_id=bus,
+            attributes=_frozen(attrs), links=peers.get(name, ()), vendor=VENDOR,
+        ))
+        devices.extend(_mig_devices(g, node, bus, numa, attrs, scan))
+    return devices
+
+
+def _nvlink_peers(gpus: Iterable[nvml.GpuInfo], gpu_by_bus: dict[str, str]
+                  ) -> dict[str, tuple[str, ...]]:
+    """GPU name -> names of the GPUs it reaches over NVLink. A link to another GPU is
+    direct; GPUs with links to NVSwitches all reach one another."""
+    direct: dict[str, set[str]] = {}
+    fabric: set[str] = set()
+    for g in gpus:
+        me = str(g.index)
+        for link in g.links:
+            try:
+                remote = gpu_by_bus.get(normalise_pci_bus_id(link.remote_bus_id))
+            except ValueError:
+                continue
+            if remote is not None and link.remote_type in (None, _NVLINK_GPU):
+                direct.setdefault(me, set()).add(remote)
+            elif link.remote_type == _NVLINK_SWITCH:
+                fabric.add(me)
+    out = {}
+    for name in {*direct, *fabric}:
+        reach = direct.get(name, set()) | (fabric if name in fabric else set())
+        reach.discard(name)
+        out[name] = tuple(sorted(reach, key=int))
+    return out
+
+
+def _mig_devices(g: nvml.GpuInfo, parent_node: DeviceNode, bus: str, numa: int | None,
+                 parent_attrs: dict[str, str], scan: _Scan) -> list[Device]:
+    out = []
+    for m in g.migs:
+        name = f"{g.index}:{m.index}"
+        what = f"MIG device {name} ({m.uuid})"
+        gpu_dir = f"{PROC_CAPS}/gpu{g.minor}/mig/gi{m.gi}"
+        gi_node = scan.cap_node(f"{gpu_dir}/access", what=what)
+        ci_node = scan.cap_node(f"{gpu_dir}/ci{m.ci}/access", what=what)
+        if gi_node is None or ci_node is None:
+            continue
+        attrs = {k: parent_attrs[k] for k in ("brand", "arch", "compute_capability")
+                 if k in parent_attrs}
+        attrs.update(gi_id=str(m.gi), ci_id=str(m.ci))
+        if m.name:
+            attrs["name"] = m.name
+        profile = mig_profile(m, g.memory_total)
+        if profile:
+            attrs["mig_profile"] = profile
+        if m.memory_total is not None:
+            attrs["memory_mib"] = str(m.memory_total // MIB)
+        legacy = f"MIG-{g.uuid}/{m.gi}/{m.ci}"
+        out.append(Device(
+            kind=KIND_MIG, name=name, uuid=m.uuid,
+            aliases=(legacy,) if legacy != m.uuid else (),
+            edits=ContainerEdits(device_nodes=(parent_node, gi_node, ci_node)),
+            numa_node=numa, pci_bus_id=bus, parent=str(g.index),
+            attributes=_frozen(attrs), vendor=VENDOR,
+        ))
+    return out
+
+
+def mig_profile(m: nvml.MigInfo, gpu_memory: int | None) -> str:
+    """The MIG profile ("1g.10gb", "1c.2g.20gb", "1g.10gb+me"): NVML's own, the last word
+    of the MIG device's name; else computed from its slices and memory as NVIDIA's
+    go-nvlib does (memory rounded up to eighths of the GPU, in whole GB)."""
+    last = m.name.rsplit(" ", 1)[-1]
+    if _PROFILE_RE.match(last):
+        return last
+    if None in (m.gi_slices, m.ci_slices, m.memory_size_mb) or not gpu_memory:
+        return ""
+    fraction = math.ceil(m.memory_size_mb * MIB / gpu_memory * 8) / 8  # type: ignore[operator]
+    gb = round(fraction * ((gpu_memory + GIB - 1) // GIB))
+    prefix = f"{m.ci_slices}c." if m.ci_slices != m.gi_slices else ""
+    return f"{prefix}{m.gi_slices}g.{gb}gb"
+
+
+# ---- driver files --------------------------------------------------------------------
+
+
+def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, ContainerEdits]:
+    def libs(names: Iterable[str], arch: Arch, lib_dir: str) -> list[Mount]:
+        out = []
+        for n in names:
+            path = locator.find_versioned(n, version, arch)
+            if path is not None:
+                out.append(Mount(locator.host_path(path),
+                                 f"{lib_dir}/{locator.soname_of(path)}"))
+        return out
+
+    def bins(names: Iterable[str]) -> list[Mount]:
+        return [Mount(locator.host_path(p), f"{BIN_DIR}/{n}")
+                for n in names if (p := locator.find_binary(n)) is not None]
+
+    def ipc(path: str) -> list[Mount]:
+        resolved = locator.resolve(path)
+        return [Mount(locator.host_path(resolved), resolved, options=IPC_OPTIONS)] \
+            if resolved is not None else []
+
+    def nodes(*maybe: DeviceNode | None) -> tuple[DeviceNode, ...]:
+        return tuple(n for n in maybe if n is not None)
+
+    firmware = _firmware(locator, version)
+    compute_libs = libs(COMPUTE_LIBS, locator.arch, LIB_DIR)
+    if not any(m.container_path.startswith(f"{LIB_DIR}/libcuda.so") for m in compute_libs):
+        scan.problems.append(Problem(VENDOR, (
+            f"libcuda.so.{version} not found under driver root {locator.root.driver_root}: "
+            "the compute capability cannot run CUDA")))
+    graphics_libs = libs(GRAPHICS_LIBS, locator.arch, LIB_DIR)
+    uvm = nodes(
+        scan.node("nvidia-uvm", what="/dev/nvidia-uvm (compute)"),
+        scan.node("nvidia-uvm-tools", what="/dev/nvidia-uvm-tools (compute)", required=False),
+    )
+    compute_core = ContainerEdits(device_nodes=uvm, mounts=(*compute_libs, *ipc(MPS_PIPE_DIR)))
+    ctl = scan.node("nvidiactl", expect=(NVIDIA_MAJOR, NVIDIACTL_MINOR), what="every NVIDIA "
+                    "capability (/dev/nvidiactl)")
+    modeset = scan.node("nvidia-modeset", expect=(NVIDIA_MAJOR, MODESET_MINOR),
+                        what="/dev/nvidia-modeset (display)", required=False)
+    caps = {
+        "": ContainerEdits(device_nodes=nodes(ctl)),
+        "utility": ContainerEdits(mounts=(
+            *libs(UTILITY_LIBS, locator.arch, LIB_DIR), *bins(UTILITY_BINS), *firmware,
+            *ipc(PERSISTENCED_SOCKET), *ipc(FABRICMANAGER_SOCKET))),
+        "compute": compute_core.merged(ContainerEdits(mounts=(*bins(COMPUTE_BINS),
+                                                              *firmware))),
+        "video": ContainerEdits(mounts=tuple(libs(VIDEO_LIBS, locator.arch,
+                                                  LIB_DIR))).merged(compute_core),
+        "graphics": ContainerEdits(mounts=tuple(graphics_libs)),
+        "display": ContainerEdits(device_nodes=nodes(modeset), mounts=tuple(graphics_libs)),
+        "ngx": ContainerEdits(mounts=tuple(libs(NGX_LIBS, locator.arch, LIB_DIR))),
+    }
+    compat = COMPAT32.get(locator.arch.name)
+    if compat is not None:
+        every = (*UTILITY_LIBS, *COMPUTE_LIBS, *VIDEO_LIBS, *GRAPHICS_LIBS, *NGX_LIBS)
+        caps["compat32"] = ContainerEdits(mounts=tuple(libs(every, ARCHES[compat], LIB32_DIR)))
+    for cap, proc in (("mig-config", "mig/config"), ("mig-monitor", "mig/monitor")):
+        path = f"{PROC_CAPS}/{proc}"
+        if scan.root.exists(path):
+            caps[cap] = ContainerEdits(device_nodes=nodes(scan.cap_node(path, what=cap)))
+    return {k: _sorted(v) for k, v in caps.items() if v}
+
+
+def _firmware(locator: Locator, version: str) -> list[Mount]:
+    """GSP firmware files /lib/firmware/nvidia/<version>/gsp*.bin."""
+    fw_dir = f"/lib/firmware/nvidia/{version}"
+    resolved_dir = locator.resolve(fw_dir)
+    if resolved_dir is None:
+        return []
+    out = []
+    for n in locator.listdir(resolved_dir):
+        if n.startswith("gsp") and n.endswith(".bin"):
+            path = locator.regular_file(f"{resolved_dir}/{n}")
+            if path is not None:
+                out.append(Mount(locator.host_path(path), f"{fw_dir}/{n}"))
+    return out
+
+
+def _sorted(edits: ContainerEdits) -> ContainerEdits:
+    merged = merge_edits((edits,))
+    return ContainerEdits(
+        device_nodes=tuple(sorted(merged.device_nodes, key=lambda n: n.path)),
+        mounts=tuple(sorted(merged.mounts, key=lambda m: m.container_path)),
+    )
+
+
+def _cuda_version(v: int | None) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}" if v else ""
+
+
+def _frozen(attrs: dict[str, str]) -> MappingProxyType[str, str]:
+    return MappingProxyType(dict(sorted(attrs.items())))

@@ -1,0 +1,409 @@
+"""discover_nvidia against the fake roots, through the real pynvml and the fake
+libnvidia-ml (tests/fakes/nvml), for the healthy nodes and every error path."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from fakes.roots import ROOTS_DIR
+
+from nri_accel.discover.base import Found
+from nri_accel.discover.hostroot import HostRoot
+from nri_accel.discover.nvidia import discover_nvidia, normalise_pci_bus_id
+from nri_accel.inventory import KIND_GPU, KIND_MIG, Device, Driver, Inventory
+
+FakeRoot = Callable[[str], HostRoot]
+LIB = "/usr/local/nvidia/lib64"
+X86 = "/usr/lib/x86_64-linux-gnu"
+
+
+def by_name(found: Found, kind: str) -> dict[str, Device]:
+    return {d.name: d for d in found.devices if d.kind == kind}
+
+
+def driver(found: Found) -> Driver:
+    (drv,) = found.drivers
+    return drv
+
+
+def mounts(drv: Driver, cap: str) -> dict[str, str]:
+    """container path -> host path of one capability's mounts."""
+    return {m.container_path: m.host_path for m in drv.capabilities[cap].mounts}
+
+
+def nodes(edits_owner: Device | Driver, cap: str = "") -> list[tuple[str, int, int]]:
+    edits = edits_owner.edits if isinstance(edits_owner, Device) \
+        else edits_owner.capabilities[cap]
+    return [(n.path, n.major, n.minor) for n in edits.device_nodes]
+
+
+def messages(found: Found) -> list[str]:
+    return [f"{p.source}: {p.message}" for p in found.problems]
+
+
+def override_nvml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, root: str,
+                  edit: Callable[[str], str]) -> None:
+    """Point the fake NVML at an edited copy of `root`'s node description."""
+    conf = tmp_path / "nvml-override.conf"
+    conf.write_text(edit((ROOTS_DIR / root / "nvml.conf").read_text()))
+    monkeypatch.setenv("FAKE_NVML_CONFIG", str(conf))
+
+
+# ---- a100-mig: 8 GPUs, MIG on two, NVSwitch, merged /usr --------------------------------
+
+
+@pytest.fixture
+def a100(fake_root: FakeRoot) -> Found:
+    return discover_nvidia(fake_root("a100-mig"))
+
+
+def test_a100_gpus(a100: Found) -> None:
+    gpus = by_name(a100, KIND_GPU)
+    assert list(gpus) == [str(i) for i in range(8)]
+    assert a100.problems == ()
+    g0 = gpus["0"]
+    assert g0.uuid.startswith("GPU-") and g0.vendor == "nvidia"
+    assert g0.pci_bus_id == "0000:07:00.0" and g0.aliases == ("0000:07:00.0",)
+    assert dict(g0.attributes) == {
+        "arch": "ampere", "brand": "nvidia", "compute_capability": "8.0",
+        "memory_mib": "81920", "mig_mode": "enabled", "name": "NVIDIA A100-SXM4-80GB",
+    }
+    assert gpus["2"].attributes["mig_mode"] == "disabled"
+    assert [gpus[str(i)].numa_node for i in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # every GPU reaches every other one through the NVSwitches
+    assert gpus["5"].links == ("0", "1", "2", "3", "4", "6", "7")
+
+
+def test_a100_device_nodes_follow_minor_not_index(a100: Found) -> None:
+    gpus = by_name(a100, KIND_GPU)
+    assert nodes(gpus["2"]) == [("/dev/nvidia3", 195, 3)]
+    assert nodes(gpus["3"]) == [("/dev/nvidia2", 195, 2)]
+    node = gpus["0"].edits.device_nodes[0]
+    assert node.type == "c" and node.host_path == "" and node.file_mode == 0o666
+
+
+def test_a100_mig_devices(a100: Found) -> None:
+    migs = by_name(a100, KIND_MIG)
+    assert list(migs) == ["0:0", "0:1", "0:2", "0:3", "1:0", "1:1", "1:2"]
+    gpu0 = by_name(a100, KIND_GPU)["0"]
+    m = migs["0:0"]
+    assert m.uuid.startswith("MIG-") and m.parent == "0"
+    assert m.aliases == (f"MIG-{gpu0.uuid}/2/0",)
+    assert m.numa_node == 0 and m.pci_bus_id == "0000:07:00.0"
+    assert m.attributes["mig_profile"] == "3g.40gb"
+    assert (m.attributes["gi_id"], m.attributes["ci_id"]) == ("2", "0")
+    assert m.attributes["memory_mib"] == "40192"
+    assert m.attributes["compute_capability"] == "8.0"
+    # parent node + the GI and CI access capabilities (3 + 135*minor + 9*gi [+ 1 + ci])
+    assert nodes(m) == [("/dev/nvidia0", 195, 0), ("/dev/nvidia-caps/nvidia-cap21", 236, 21),
+                        ("/dev/nvidia-caps/nvidia-cap22", 236, 22)]
+    # two compute instances of one GPU instance share the GI capability
+    assert migs["1:0"].attributes["mig_profile"] == "2c.4g.40gb"
+    assert nodes(migs["1:1"])[1:] == [("/dev/nvidia-caps/nvidia-cap147", 236, 147),
+                                      ("/dev/nvidia-caps/nvidia-cap149", 236, 149)]
+    assert {migs[n].attributes["mig_profile"] for n in ("0:2", "0:3")} == {"1g.10gb"}
+
+
+def test_a100_driver_files(a100: Found) -> None:
+    drv = driver(a100)
+    assert (drv.vendor, drv.version, drv.cuda_version) == ("nvidia", "550.54.15", "12.4")
+    assert nodes(drv, "") == [("/dev/nvidiactl", 195, 255)]
+    compute = mounts(drv, "compute")
+    # found through ld.so.cache's /lib/x86_64-linux-gnu (a symlink to usr/lib), mounted at
+    # the soname: from the symlink beside a placeholder, from DT_SONAME for the real ELF
+    assert compute[f"{LIB}/libcuda.so.1"] == f"{X86}/libcuda.so.550.54.15"
+    assert compute[f"{LIB}/libnvidia-gpucomp.so.550.54.15"] == \
+        f"{X86}/libnvidia-gpucomp.so.550.54.15"
+    assert mounts(drv, "utility")[f"{LIB}/libnvidia-ml.so.1"] == \
+        f"{X86}/libnvidia-ml.so.550.54.15"
+    assert compute["/usr/bin/nvidia-cuda-mps-server"] == "/usr/bin/nvidia-cuda-mps-server"
+    assert compute["/tmp/nvidia-mps"] == "/tmp/nvidia-mps"
+    assert nodes(drv, "compute") == [("/dev/nvidia-uvm", 508, 0),
+                                     ("/dev/nvidia-uvm-tools", 508, 1)]
+    every_host_path = {m.host_path for e in drv.capabilities.values() for m in e.mounts}
+    assert not any("535.104.05" in p or "libGL.so.1.7.0" in p for p in every_host_path)
+
+
+def test_a100_utility_firmware_and_ipc(a100: Found) -> None:
+    utility = mounts(driver(a100), "utility")
+    fw = "/lib/firmware/nvidia/550.54.15"
+    assert {k: v for k, v in utility.items() if k.startswith(fw)} == {
+        f"{fw}/gsp_ga10x.bin": "/usr/lib/firmware/nvidia/550.54.15/gsp_ga10x.bin",
+        f"{fw}/gsp_tu10x.bin": "/usr/lib/firmware/nvidia/550.54.15/gsp_tu10x.bin",
+    }
+    assert utility["/run/nvidia-persistenced/socket"] == "/run/nvidia-persistenced/socket"
+    assert utility["/run/nvidia-fabricmanager/socket"] == "/run/nvidia-fabricmanager/socket"
+    assert utility["/usr/bin/nvidia-smi"] == "/usr/bin/nvidia-smi"
+    assert f"{LIB}/libcuda.so.1" not in utility
+
+
+def test_a100_other_capabilities(a100: Found) -> None:
+    drv = driver(a100)
+    assert nodes(drv, "display") == [("/dev/nvidia-modeset", 195, 254)]
+    assert nodes(drv, "graphics") == []
+    assert f"{LIB}/libGLX_nvidia.so.0" in mounts(drv, "graphics")
+    video = mounts(drv, "video")
+    assert f"{LIB}/libnvcuvid.so.1" in video and f"{LIB}/libcuda.so.1" in video
+    assert "/usr/bin/nvidia-cuda-mps-control" not in video
+    assert mounts(drv, "ngx") == {f"{LIB}/libnvidia-ngx.so.1":
+                                  f"{X86}/libnvidia-ngx.so.550.54.15"}
+    compat32 = mounts(drv, "compat32")
+    assert compat32["/usr/local/nvidia/lib/libcuda.so.1"] == \
+        "/usr/lib/i386-linux-gnu/libcuda.so.550.54.15"
+    assert all(k.startswith("/usr/local/nvidia/lib/") for k in compat32)
+    assert nodes(drv, "mig-config") == [("/dev/nvidia-caps/nvidia-cap1", 236, 1)]
+    assert nodes(drv, "mig-monitor") == [("/dev/nvidia-caps/nvidia-cap2", 236, 2)]
+
+
+def test_mounts_are_read_only_sorted_and_exist_inside_the_root(fake_root: FakeRoot) -> None:
+    root = fake_root("a100-mig")
+    drv = driver(discover_nvidia(root))
+    for cap, edits in drv.capabilities.items():
+        paths = [m.container_path for m in edits.mounts]
+        assert paths == sorted(set(paths)), cap
+        for m in edits.mounts:
+            assert {"ro", "nosuid", "nodev", "bind"} <= set(m.options)
+            st = os.lstat(root.local(m.host_path))  # resolved: no symlink left
+            assert not stat.S_ISLNK(st.st_mode), m.host_path
+
+
+def test_inventory_round_trip(a100: Found) -> None:
+    inv = Inventory(devices=a100.devices, drivers={d.vendor: d for d in a100.drivers},
+                    problems=a100.problems)
+    assert Inventory.from_json(inv.to_json()) == inv
+
+
+def test_repeated_discovery_of_different_roots_is_deterministic(fake_root: FakeRoot) -> None:
+    a100_root, h100_root = fake_root("a100-mig"), fake_root("h100")
+    first = discover_nvidia(a100_root)
+    h100 = discover_nvidia(h100_root)
+    assert driver(h100).version == "570.124.06"
+    assert discover_nvidia(a100_root) == first
+
+
+# ---- h100: driver container root, NVLink mesh, MIG disabled ----------------------------
+
+
+def test_h100_driver_root(fake_root: FakeRoot) -> None:
+    root = fake_root("h100")
+    found = discover_nvidia(root)
+    assert found.problems == ()
+    gpus = by_name(found, KIND_GPU)
+    assert [g.attributes["arch"] for g in gpus.values()] == ["hopper"] * 4
+    assert gpus["0"].attributes["compute_capability"] == "9.0"
+    assert gpus["1"].links == ("0", "2", "3")
+    assert by_name(found, KIND_MIG) == {}
+    drv = driver(found)
+    dr = "/run/nvidia/driver"
+    assert (drv.version, drv.cuda_version) == ("570.124.06", "12.8")
+    assert mounts(drv, "compute")[f"{LIB}/libcuda.so.1"] == f"{dr}{X86}/libcuda.so.570.124.06"
+    assert mounts(drv, "utility")["/lib/firmware/nvidia/570.124.06/gsp_ga10x.bin"] == \
+        f"{dr}/usr/lib/firmware/nvidia/570.124.06/gsp_ga10x.bin"
+    assert mounts(drv, "utility")["/run/nvidia-persistenced/socket"] == \
+        f"{dr}/run/nvidia-persistenced/socket"
+    assert nodes(drv, "display") == []  # headless: no nvidia-modeset
+    assert "compat32" not in drv.capabilities
+
+
+# ---- absent or failing NVML ------------------------------------------------------------
+
+
+def test_nvml_init_failure_reports_nvidia_absent(fake_root: FakeRoot) -> None:
+    found = discover_nvidia(fake_root("nvml-init-fails"))
+    assert (found.devices, found.drivers) == ((), ())
+    (p,) = found.problems
+    assert p.source == "nvidia"
+    assert "nvmlInit failed: Driver Not Loaded" in p.message
+    assert f"{X86}/libnvidia-ml.so.550.127.05" in p.message
+
+
+def test_no_driver_reports_nvidia_absent(tmp_path: Path) -> None:
+    found = discover_nvidia(HostRoot.at(tmp_path))
+    assert (found.devices, found.drivers) == ((), ())
+    assert [p.source for p in found.problems] == ["nvidia"]
+    assert "libnvidia-ml.so.1 not found under driver root /" in found.problems[0].message
+
+
+def test_unloadable_library_reports_nvidia_absent(tmp_path: Path) -> None:
+    lib = tmp_path / "usr/lib64/libnvidia-ml.so.1"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"")  # a placeholder, not a library
+    found = discover_nvidia(HostRoot.at(tmp_path))
+    assert found.devices == ()
+    assert "cannot load" in found.problems[0].message
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_library_outside_the_root_is_not_followed(tmp_path: Path, fake_nvml_lib: Path,
+                                                  relative: bool) -> None:
+    outside = tmp_path / "outside" / "libnvidia-ml.so.1"
+    outside.parent.mkdir()
+    outside.write_bytes(fake_nvml_lib.read_bytes())
+    root = tmp_path / "root"
+    (root / "usr/lib64").mkdir(parents=True)
+    target = "../../../outside/libnvidia-ml.so.1" if relative else str(outside)
+    os.symlink(target, root / "usr/lib64/libnvidia-ml.so.1")
+    found = discover_nvidia(HostRoot.at(root))
+    assert found.devices == ()
+    assert "not found" in found.problems[0].message
+
+
+def test_failing_gpu_is_left_out_with_a_problem(
+        fake_root: FakeRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = fake_root("h100")
+    override_nvml(monkeypatch, tmp_path, "h100", lambda c: c.replace(
+        "minor 3\n", "minor 3\nfail nvmlDeviceGetUUID 15\n"))
+    found = discover_nvidia(root)
+    assert list(by_name(found, KIND_GPU)) == ["0", "1", "2"]
+    assert messages(found) == ["nvidia: GPU 3: left out: GPU is lost"]
+
+
+def test_pending_mig_mode_change_is_reported(
+        fake_root: FakeRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = fake_root("h100")
+
+    def pending_on_gpu2(conf: str) -> str:
+        head, *gpus = conf.split("\ngpu\n")
+        gpus[2] = gpus[2].replace("mig_mode 0 0 7", "mig_mode 0 1 7")
+        return "\ngpu\n".join([head, *gpus])
+
+    override_nvml(monkeypatch, tmp_path, "h100", pending_on_gpu2)
+    found = discover_nvidia(root)
+    (msg,) = messages(found)
+    assert msg.startswith("nvidia: GPU 2 (GPU-") and "change to enabled is pending" in msg
+
+
+# ---- older drivers: functions missing --------------------------------------------------
+
+
+def test_old_driver_without_numa_function(fake_root: FakeRoot) -> None:
+    found = discover_nvidia(fake_root("old-driver"))
+    gpus = by_name(found, KIND_GPU)
+    assert [g.numa_node for g in gpus.values()] == [0, None]  # sysfs: 0 and -1
+    assert messages(found) == [
+        "nvidia: the driver lacks nvmlDeviceGetNumaNodeId: NUMA nodes are read from sysfs"]
+    assert gpus["0"].links == ("1",) and gpus["1"].links == ("0",)
+    assert dict(gpus["0"].attributes) == {
+        "arch": "volta", "brand": "tesla", "compute_capability": "7.0",
+        "memory_mib": "16384", "name": "Tesla V100-SXM2-16GB"}
+    drv = driver(found)
+    assert drv.cuda_version == "11.4"
+    # no ld.so.cache: the standard directories
+    assert mounts(drv, "compute")[f"{LIB}/libcuda.so.1"] == "/usr/lib64/libcuda.so.470.256.02"
+
+
+def test_pynvml_without_a_wrapper_is_tolerated(
+        fake_root: FakeRoot, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = fake_root("a100-mig")
+    monkeypatch.delattr("pynvml.nvmlDeviceGetNvLinkRemoteDeviceType")
+    found = discover_nvidia(root)
+    assert messages(found) == ["nvidia: the driver lacks nvmlDeviceGetNvLinkRemoteDeviceType: "
+                               "only direct GPU-to-GPU NVLinks are known"]
+    assert all(g.links == () for g in by_name(found, KIND_GPU).values())
+    assert len(by_name(found, KIND_MIG)) == 7
+
+
+def test_mig_profile_computed_when_names_are_unavailable(
+        fake_root: FakeRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = fake_root("a100-mig")
+    override_nvml(monkeypatch, tmp_path, "a100-mig", lambda c: c.replace(
+        "  gi ", "  fail nvmlDeviceGetName 3\n  gi "))
+    found = discover_nvidia(root)
+    assert found.problems == ()  # NOT_SUPPORTED: the device's answer, not a defect
+    migs = by_name(found, KIND_MIG)
+    assert [m.attributes["mig_profile"] for m in migs.values()] == [
+        "3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb", "2c.4g.40gb", "2c.4g.40gb", "3g.40gb"]
+    assert "name" not in migs["0:0"].attributes
+
+
+# ---- device nodes ----------------------------------------------------------------------
+
+
+def test_broken_device_nodes(fake_root: FakeRoot) -> None:
+    found = discover_nvidia(fake_root("broken-dev"))
+    assert list(by_name(found, KIND_GPU)) == ["0"]
+    assert list(by_name(found, KIND_MIG)) == ["0:0"]
+    assert "arch" not in by_name(found, KIND_GPU)["0"].attributes
+    problems = {p.source: p.message for p in found.problems}
+    assert problems["nvidia"] == "GPU 0: nvmlDeviceGetArchitecture failed: Unknown Error"
+    assert problems["/dev/nvidia1"].startswith("is a symlink, refused")
+    assert problems["/dev/nvidia1"].endswith("GPU 1 (GPU-ed49ff90-4672-c08f-aff6-58a61746305f)"
+                                             " is left out")
+    assert problems["/dev/nvidia-caps/nvidia-cap49"].startswith("is a symlink, refused")
+    assert "MIG device 0:1" in problems["/dev/nvidia-caps/nvidia-cap49"]
+    assert problems["/dev/char/195:0"].startswith("missing (a link to /dev/nvidia0)")
+    assert problems["/dev/char/195:255"].startswith("points to ../nvidia0, not /dev/nvidiactl")
+    assert problems["/dev/nvidia-uvm"] == "missing: /dev/nvidia-uvm (compute) is left out"
+    assert len(found.problems) == 6
+    assert nodes(driver(found), "compute") == []
+    assert nodes(driver(found), "") == [("/dev/nvidiactl", 195, 255)]
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (lambda p: None, "missing: GPU 3"),
+    (lambda p: p.write_text(""), "is not a character device: GPU 3"),
+    (lambda p: os.mknod(p, stat.S_IFCHR | 0o666, os.makedev(195, 9)),
+     "is device 195:9, expected 195:3: GPU 3"),
+    (lambda p: os.mknod(p, stat.S_IFBLK | 0o666, os.makedev(195, 3)),
+     "is not a character device: GPU 3"),
+])
+def test_bad_gpu_node_is_refused(fake_root: FakeRoot, make: Callable[[Path], None],
+                                 expected: str) -> None:
+    root = fake_root("h100")
+    node = Path(root.local("/dev/nvidia3"))
+    node.unlink()
+    make(node)
+    found = discover_nvidia(root)
+    assert list(by_name(found, KIND_GPU)) == ["0", "1", "2"]
+    assert [p.source for p in found.problems] == ["/dev/nvidia3"]
+    assert found.problems[0].message.startswith(expected)
+
+
+def test_nodes_carry_host_path_when_dev_is_elsewhere(fake_root: FakeRoot) -> None:
+    root = fake_root("h100")
+    os.rename(root.local("/dev"), root.local("/hostdev"))
+    moved = HostRoot(root=root.root, dev="/hostdev", sys=root.sys, driver_root=root.driver_root)
+    gpu = by_name(discover_nvidia(moved), KIND_GPU)["0"]
+    (node,) = gpu.edits.device_nodes
+    assert (node.path, node.host_path) == ("/dev/nvidia0", "/hostdev/nvidia0")
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("raw", "norm"), [
+    ("00000000:07:00.0", "0000:07:00.0"),
+    ("0000:BD:00.0", "0000:bd:00.0"),
+    ("0:7:0.1", "0000:07:00.1"),
+    ("00010000:c4:1f.7", "10000:c4:1f.7"),
+])
+def test_normalise_pci_bus_id(raw: str, norm: str) -> None:
+    assert normalise_pci_bus_id(raw) == norm
+
+
+@pytest.mark.parametrize("bad", ["", "07:00.0", "0000:07:00", "0000:07:00.8", "zz:07:00.0"])
+def test_normalise_pci_bus_id_rejects(bad: str) -> None:
+    with pytest.raises(ValueError, match="not a PCI bus id"):
+        normalise_pci_bus_id(bad)
+
+
+def test_library_and_kernel_driver_version_mismatch(
+        fake_root: FakeRoot, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = fake_root("h100")
+    override_nvml(monkeypatch, tmp_path, "h100", lambda c: c.replace(
+        "driver_version 570.124.06", "driver_version 570.133.20"))
+    found = discover_nvidia(root)
+    assert len(by_name(found, KIND_GPU)) == 4
+    dr = "/run/nvidia/driver"
+    assert messages(found) == [
+        f"{dr}{X86}/libnvidia-ml.so.570.124.06: is version 570.124.06 but the kernel driver "
+        "is 570.133.20: libraries are looked up for the kernel driver's version",
+        f"nvidia: libcuda.so.570.133.20 not found under driver root {dr}: the compute "
+        "capability cannot run CUDA",
+    ]
+    assert not any(m.container_path.startswith(LIB)
+                   for e in driver(found).capabilities.values() for m in e.mounts)
