@@ -23,8 +23,8 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 
 class _StderrNow:
-    """sys.stderr as it is at each write, not at configure(): loggers are cached at first
-    use and must follow a later swap of sys.stderr (test capture, daemon redirection)."""
+    """sys.stderr as it is at each write, not at configure(): logs follow a later swap of
+    sys.stderr (test capture, daemon redirection)."""
 
     def write(self, text: str) -> int:
         return sys.stderr.write(text)
@@ -73,10 +73,11 @@ def configure(level: str = "info", fmt: str = "auto", file: IO[str] | None = Non
 
 
 def get_logger(name: str = "nri_accel", **context: Any) -> Any:
-    """A bound structlog logger; `name` becomes the `logger` field.
+    """A lazy structlog logger; `name` becomes the `logger` field.
 
-    Lazy, like structlog.get_logger(): it takes the configuration at its first use, so
-    module-level loggers created at import follow a configure() called later (an eager
-    bind() would freeze structlog's defaults, which print to stdout)."""
-    return BoundLoggerLazyProxy(None, logger_factory_args=(name,),
-                                initial_values={"logger": name, **context})
+    Lazy: it resolves the configuration at each call, so a module-level logger created
+    at import time writes where the latest configure() says (an eager bind() would
+    freeze structlog's defaults, which print to stdout)."""
+    # structlog.get_logger(logger=...) would clash with wrap_logger's own `logger`
+    # parameter, hence the proxy built directly.
+    return BoundLoggerLazyProxy(None, initial_values={"logger": name, **context})

@@ -15,10 +15,13 @@ host (normally "/", "/run/nvidia/driver" with the GPU operator's driver containe
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+
+_MAX_SYMLINK_HOPS = 40  # as the kernel (MAXSYMLINKS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +38,13 @@ class HostRoot:
         return cls(root=os.fspath(root), driver_root=driver_root)
 
     def local(self, host_path: str) -> str:
-        """Where this process reads the host-absolute `host_path`."""
+        """Where this process reads the host-absolute `host_path`.
+
+        Under a root other than "/", symlinks in every component but the last are
+        resolved inside the root, as the host itself would see them (a host's
+        /var/run -> /run must not lead to this container's /run). The last component is
+        left alone so lstat() still sees a symlink where one is.
+        """
         p = PurePosixPath(host_path)
         if not p.is_absolute():
             raise ValueError(f"host path must be absolute: {host_path!r}")
@@ -43,14 +52,41 @@ class HostRoot:
             raise ValueError(f"host path must not contain '..': {host_path!r}")
         if self.root in ("", "/"):
             return str(p)
-        return os.path.join(self.root, *p.parts[1:])
+        return os.path.join(self.root, *self._resolve_parents(list(p.parts[1:])))
+
+    def _resolve_parents(self, todo: list[str]) -> list[str]:
+        done: list[str] = []
+        hops = 0
+        while todo:
+            part = todo.pop(0)
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if done:
+                    done.pop()
+                continue
+            if not todo:
+                done.append(part)
+                break
+            local = os.path.join(self.root, *done, part)
+            if not os.path.islink(local):
+                done.append(part)
+                continue
+            hops += 1
+            if hops > _MAX_SYMLINK_HOPS:
+                raise OSError(errno.ELOOP, "too many levels of symbolic links", local)
+            target = PurePosixPath(os.readlink(local))
+            if target.is_absolute():
+                done = []
+            todo = [*target.parts[1 if target.is_absolute() else 0:], *todo]
+        return done
 
     def host(self, local_path: str) -> str:
         """Inverse of local(): the host-absolute path of a path read under the root."""
         if self.root in ("", "/"):
             return local_path
         rel = os.path.relpath(local_path, self.root)
-        if rel == "." :
+        if rel == ".":
             return "/"
         if rel.startswith(".."):
             raise ValueError(f"{local_path!r} is outside host root {self.root!r}")

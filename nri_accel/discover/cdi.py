@@ -1,0 +1,638 @@
+"""CDI (Container Device Interface) spec files: read them into devices, write them out.
+
+Owns: discover_cdi(root, spec_dirs) -> Found (reading, validation, priorities),
+generate_specs(inventory) / render_spec(spec) / spec_file_name(kind) (writing), and
+min_version(spec), the CDI version a spec's content needs. Imports the standard
+library, PyYAML, nri_accel.inventory, nri_accel.log and nri_accel.discover.{base,
+hostroot}. Facts from cncf-tags/container-device-interface (SPEC.md, pkg/cdi,
+pkg/parser, specs-go/version.go).
+
+Reading follows what containerd and CRI-O do through pkg/cdi:
+
+- Spec files are the `*.json` and `*.yaml` files directly inside each spec directory
+  (subdirectories skipped), in name order. Directories come in priority order: a later
+  directory wins (the default `/etc/cdi`, `/var/run/cdi` lets generated specs override
+  static ones). A device defined at the same highest priority by two files is a
+  conflict: it is dropped, with a Problem on both files. Lower-priority duplicates are
+  shadowed silently, as upstream does.
+- Parsing is strict: unknown fields are errors. `cdiVersion` must be a released
+  version from 0.3.0 (the first with `containerEdits`) to 1.1.0 and at least the
+  version the content needs (mount `type` 0.4.0; `hostPath` on a device node or a
+  device name starting with a digit 0.5.0; annotations or a dot in the class 0.6.0;
+  `additionalGids` 0.7.0). `intelRdt` and `netDevices` are rejected: nri-accel cannot
+  apply them through NRI, and a device granted without them would be wrong.
+- Validation: kind `vendor/class` and device names with the upstream character rules,
+  non-empty edits per device, `KEY=VALUE` env, known hook names, absolute paths
+  without `..`, no mount onto /proc or /sys. A bad file is one Problem naming the file
+  and the field; it never stops the other files.
+- Mounts keep the options the spec gives (spec files are host configuration, owned by
+  root like the runtime's); a mount with none gets nri-accel's default, read-only
+  `nosuid,nodev` bind.
+- Device nodes are host nodes: type, major and minor come from lstat of the host node
+  (symlinks refused); numbers written in the spec must agree with it. A missing node
+  drops that device (or, for a spec-level node, the whole file) with a Problem.
+
+Each CDI device becomes a Device (kind and name from the spec, edits = its
+containerEdits, attribute origin = the spec file's host path). A spec's own
+containerEdits become a Driver named `cdi:<spec file host path>` (version = the
+spec's cdiVersion) with capabilities {"": edits}, and its devices point at it through
+Device.vendor, so the edits stage merges them whenever one of its devices is granted:
+one driver per file, because spec-level edits belong to the file that declares them.
+A device named `all` is not listed: `kind=all` is the request keyword for every device
+of a kind, and granting each device gives what the composite one would. Hooks are kept
+as written; whether a hook may be emitted is the edits stage's decision.
+
+Writing (`nri-accel cdi generate`): one spec per device kind of the NVIDIA and Neuron
+devices, each device's edits (a MIG instance's include its parent GPU's node) as device
+edits, the driver's "" edits plus its default capabilities (NVIDIA: utility, compute,
+the default of NVIDIA_DRIVER_CAPABILITIES) as spec edits. `cdiVersion` is the lowest
+version the content needs (min_version; 0.5.0 for names such as "0"), not the newest:
+containerd 1.7 and CRI-O 1.26 ship CDI libraries that reject versions newer than they
+know, and every version from 0.5.0 is accepted by both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import stat
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from nri_accel.discover.base import Found, host_device_node
+from nri_accel.discover.hostroot import HostRoot
+from nri_accel.errors import DiscoveryError
+from nri_accel.inventory import (
+    KIND_GPU,
+    KIND_MIG,
+    KIND_NEURON,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Driver,
+    Hook,
+    Inventory,
+    Mount,
+    Problem,
+    merge_edits,
+)
+from nri_accel.log import get_logger
+
+log = get_logger(__name__)
+
+SPEC_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
+EARLIEST_VERSION = "0.3.0"
+DRIVER_PREFIX = "cdi:"
+MAX_SPEC_BYTES = 4 << 20
+HOOK_NAMES = frozenset({"prestart", "createRuntime", "createContainer", "startContainer",
+                        "poststart", "poststop"})
+GENERATED_KINDS = (KIND_GPU, KIND_MIG, KIND_NEURON)
+DEFAULT_CAPABILITIES = {"nvidia": ("utility", "compute")}
+
+_NAME_CHARS = re.compile(r"^[A-Za-z0-9_.:-]*$")
+_QUALIFIER_CHARS = re.compile(r"^[A-Za-z0-9_.-]*$")
+_SPEC_KEYS = {"cdiVersion", "kind", "annotations", "devices", "containerEdits"}
+_DEVICE_KEYS = {"name", "annotations", "containerEdits"}
+_EDITS_KEYS = {"env", "deviceNodes", "hooks", "mounts", "additionalGids", "intelRdt",
+               "netDevices"}
+_NODE_KEYS = {"path", "hostPath", "type", "major", "minor", "fileMode", "permissions",
+              "uid", "gid"}
+_MOUNT_KEYS = {"hostPath", "containerPath", "options", "type"}
+_HOOK_KEYS = {"hookName", "path", "args", "env", "timeout"}
+_UINT32_MAX = 2**32 - 1
+
+
+class SpecError(Exception):
+    """A spec file is invalid; the message names the field (JSON path) and the fault."""
+
+
+# ---- reading ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    path: str  # host path of the file
+    priority: int
+    kind: str
+    devices: tuple[Device, ...]
+    driver: Driver | None
+
+
+def discover_cdi(root: HostRoot, spec_dirs: Sequence[str]) -> Found:
+    """Every valid CDI device in `spec_dirs` (host paths, later directories win)."""
+    problems: list[Problem] = []
+    specs: list[_Spec] = []
+    for priority, spec_dir in enumerate(spec_dirs):
+        for name in root.listdir(spec_dir):
+            if not name.endswith((".json", ".yaml")):
+                continue
+            host_path = str(PurePosixPath(spec_dir) / name)
+            try:
+                loaded = _load_spec(root, host_path, priority)
+            except SpecError as e:
+                problems.append(Problem(host_path, str(e)))
+                log.warning("cdi_spec_invalid", path=host_path, error=str(e))
+                continue
+            if loaded is not None:
+                specs.append(loaded[0])
+                problems += loaded[1]
+
+    candidates: dict[str, list[tuple[_Spec, Device]]] = {}
+    for spec in specs:
+        for d in spec.devices:
+            candidates.setdefault(d.qualified_name, []).append((spec, d))
+    kept: list[Device] = []
+    used: set[str] = set()
+    for qualified, entries in candidates.items():
+        top = max(s.priority for s, _ in entries)
+        winners = [(s, d) for s, d in entries if s.priority == top]
+        if len(winners) > 1:
+            paths = sorted(s.path for s, _ in winners)
+            for p in paths:
+                others = ", ".join(o for o in paths if o != p)
+                problems.append(Problem(p, f"device {qualified} is also defined in {others} "
+                                           "(same priority): it is left out"))
+            continue
+        spec, device = winners[0]
+        for s, _ in entries:
+            if s is not spec:
+                log.info("cdi_device_shadowed", device=qualified, used=spec.path, ignored=s.path)
+        kept.append(device)
+        used.add(spec.path)
+    drivers = tuple(s.driver for s in specs if s.driver is not None and s.path in used)
+    return Found(devices=tuple(kept), drivers=drivers,
+                 problems=tuple(sorted(problems, key=lambda p: (p.source, p.message))))
+
+
+def _load_spec(root: HostRoot, host_path: str,
+               priority: int) -> tuple[_Spec, list[Problem]] | None:
+    text = _read_spec_file(root, host_path)
+    if text is None:
+        return None
+    try:
+        if host_path.endswith(".json"):
+            raw = json.loads(text)
+        else:
+            raw = yaml.load(text, Loader=_YAML_LOADER)
+    except (ValueError, yaml.YAMLError) as e:
+        fmt = "JSON" if host_path.endswith(".json") else "YAML"
+        raise SpecError(f"not valid {fmt}: {_one_line(e)}") from e
+    return _build_spec(root, raw, host_path, priority)
+
+
+def _read_spec_file(root: HostRoot, host_path: str) -> str | None:
+    """The file's text; None for a directory (skipped, as upstream does)."""
+    local = root.local(host_path)
+    try:
+        st = os.lstat(local)
+        if stat.S_ISLNK(st.st_mode):
+            # Resolve one level inside the host root: an absolute target names a host path.
+            target = os.readlink(local)
+            target_host = os.path.normpath(
+                os.path.join(os.path.dirname(host_path), target)
+            )
+            local = root.local(target_host)
+            st = os.lstat(local)
+            if stat.S_ISLNK(st.st_mode):
+                raise SpecError(f"symlink to a symlink ({target_host}) is not followed")
+        if stat.S_ISDIR(st.st_mode):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecError("not a regular file")
+        if st.st_size > MAX_SPEC_BYTES:
+            raise SpecError(f"larger than {MAX_SPEC_BYTES} bytes")
+        with open(local, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"cannot read: {e.strerror or e}") from e
+    except ValueError as e:  # HostRoot refused the path ('..')
+        raise SpecError(str(e)) from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"not UTF-8: {e.reason} at byte {e.start}") from e
+
+
+def _build_spec(root: HostRoot, raw: Any, host_path: str,
+                priority: int) -> tuple[_Spec, list[Problem]]:
+    """The validated spec and a Problem for each device whose host nodes are unusable."""
+    if not isinstance(raw, dict):
+        raise SpecError("the spec must be a mapping with cdiVersion, kind and devices")
+    _no_unknown(raw, _SPEC_KEYS, "")
+    version = _string(raw, "cdiVersion", "", required=True)
+    if version.removeprefix("v") not in SPEC_VERSIONS:
+        raise SpecError(f"cdiVersion: {version!r} is not a CDI version nri-accel reads "
+                        f"({', '.join(SPEC_VERSIONS)})")
+    kind = _string(raw, "kind", "", required=True)
+    _check_kind(kind)
+    _annotations(raw.get("annotations"), "annotations")
+    raw_devices = raw.get("devices")
+    if not isinstance(raw_devices, list) or not raw_devices:
+        raise SpecError("devices: a spec must define at least one device")
+
+    spec_edits = _edits(raw.get("containerEdits"), "containerEdits", device_level=False)
+    parsed: list[tuple[str, _RawEdits, str]] = []
+    names: set[str] = set()
+    for i, rd in enumerate(raw_devices):
+        where = f"devices[{i}]"
+        if not isinstance(rd, dict):
+            raise SpecError(f"{where}: must be a mapping")
+        _no_unknown(rd, _DEVICE_KEYS, where)
+        name = _string(rd, "name", where, required=True)
+        _check_device_name(name, f"{where}.name")
+        if name in names:
+            raise SpecError(f"{where}.name: device {name!r} is defined twice")
+        names.add(name)
+        _annotations(rd.get("annotations"), f"{where}.annotations")
+        parsed.append((name, _edits(rd.get("containerEdits"), f"{where}.containerEdits",
+                                    device_level=True), where))
+
+    needed = min_version(raw)
+    if _vtuple(needed) > _vtuple(version):
+        raise SpecError(f"cdiVersion: {version} is too old for what the spec uses "
+                        f"(needs at least {needed})")
+
+    try:
+        shared = _to_edits(root, spec_edits)
+    except DiscoveryError as e:
+        raise SpecError(f"containerEdits: device node {e.source}: {e.message}") from e
+    driver = None
+    vendor = ""
+    if shared:
+        vendor = DRIVER_PREFIX + host_path
+        driver = Driver(vendor=vendor, version=version.removeprefix("v"),
+                        capabilities=MappingProxyType({"": shared}))
+
+    devices: list[Device] = []
+    problems: list[Problem] = []
+    for name, edits, where in parsed:
+        if name == "all":
+            log.debug("cdi_composite_device_skipped", path=host_path, device=f"{kind}={name}")
+            continue
+        try:
+            device_edits = _to_edits(root, edits)
+        except DiscoveryError as e:
+            # Not a malformed file: this one device is unusable on this node now.
+            problems.append(Problem(host_path, f"device {kind}={name} left out: {where}: "
+                                               f"device node {e.source}: {e.message}"))
+            continue
+        devices.append(Device(kind=kind, name=name, edits=device_edits,
+                              attributes=MappingProxyType({"origin": host_path}),
+                              vendor=vendor))
+    return _Spec(host_path, priority, kind, tuple(devices), driver), problems
+
+
+def _no_unknown(obj: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            loc = f"{where}.{key}" if where else str(key)
+            raise SpecError(f"{loc}: unknown field")
+
+
+def _string(obj: Mapping[str, Any], key: str, where: str, *, required: bool = False) -> str:
+    loc = f"{where}.{key}" if where else key
+    v = obj.get(key)
+    if v is None:
+        if required:
+            raise SpecError(f"{loc}: required")
+        return ""
+    if not isinstance(v, str):
+        raise SpecError(f"{loc}: must be a string, not {type(v).__name__}")
+    return v
+
+
+def _strings(v: Any, loc: str) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise SpecError(f"{loc}: must be a list of strings")
+    return tuple(v)
+
+
+def _uint(v: Any, loc: str, *, positive: bool = False) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < (1 if positive else 0) \
+            or v > _UINT32_MAX:
+        raise SpecError(f"{loc}: must be an integer {'> 0' if positive else '>= 0'}, "
+                        f"not {v!r}")
+    return v
+
+
+def _annotations(v: Any, loc: str) -> None:
+    if v is None:
+        return
+    if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str)
+                                          for k, x in v.items()):
+        raise SpecError(f"{loc}: must map strings to strings")
+
+
+def _check_qualifier(part: str, what: str) -> None:
+    if not part:
+        raise SpecError(f"kind: empty {what}")
+    if not part[0].isascii() or not part[0].isalpha():
+        raise SpecError(f"kind: {what} {part!r} must start with a letter")
+    if not _QUALIFIER_CHARS.match(part):
+        raise SpecError(f"kind: {what} {part!r} may hold only letters, digits, '_', '-', '.'")
+    if not part[-1].isascii() or not part[-1].isalnum():
+        raise SpecError(f"kind: {what} {part!r} must end with a letter or digit")
+
+
+def _check_kind(kind: str) -> None:
+    vendor, sep, cls = kind.partition("/")
+    if not sep or "/" in cls:
+        raise SpecError(f"kind: {kind!r} must be vendor/class, e.g. \"acme.example/npu\"")
+    _check_qualifier(vendor, "vendor")
+    _check_qualifier(cls, "class")
+
+
+def _check_device_name(name: str, loc: str) -> None:
+    if not name or not (name[0].isascii() and name[0].isalnum()) \
+            or not (name[-1].isascii() and name[-1].isalnum()) or not _NAME_CHARS.match(name):
+        raise SpecError(f"{loc}: {name!r} is not a device name (letters, digits, '_', '-', "
+                        "'.', ':'; starting and ending with a letter or digit)")
+
+
+def _check_path(v: Any, loc: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise SpecError(f"{loc}: required, an absolute path")
+    p = PurePosixPath(v)
+    if not p.is_absolute() or ".." in p.parts or "\0" in v:
+        raise SpecError(f"{loc}: {v!r} must be an absolute path without '..'")
+    return str(p)
+
+
+def _check_env(values: tuple[str, ...], loc: str) -> None:
+    for kv in values:
+        if kv.find("=") <= 0:
+            raise SpecError(f"{loc}: {kv!r} is not KEY=VALUE")
+
+
+@dataclass(frozen=True, slots=True)
+class _RawNode:
+    path: str
+    host_path: str
+    type: str
+    major: int | None
+    minor: int | None
+    file_mode: int | None
+    permissions: str
+    uid: int | None
+    gid: int | None
+    where: str
+
+
+@dataclass(frozen=True, slots=True)
+class _RawEdits:
+    env: tuple[str, ...]
+    nodes: tuple[_RawNode, ...]
+    mounts: tuple[Mount, ...]
+    hooks: tuple[Hook, ...]
+    gids: tuple[int, ...]
+
+
+def _edits(v: Any, where: str, *, device_level: bool) -> _RawEdits:
+    if v is None:
+        v = {}
+    if not isinstance(v, dict):
+        raise SpecError(f"{where}: must be a mapping")
+    _no_unknown(v, _EDITS_KEYS, where)
+    for unsupported in ("intelRdt", "netDevices"):
+        if v.get(unsupported) is not None:
+            raise SpecError(f"{where}.{unsupported}: not supported by nri-accel (NRI cannot "
+                            "apply it)")
+    env = _strings(v.get("env"), f"{where}.env")
+    _check_env(env, f"{where}.env")
+
+    nodes = []
+    for i, rn in enumerate(_list(v.get("deviceNodes"), f"{where}.deviceNodes")):
+        loc = f"{where}.deviceNodes[{i}]"
+        if not isinstance(rn, dict):
+            raise SpecError(f"{loc}: must be a mapping")
+        _no_unknown(rn, _NODE_KEYS, loc)
+        path = _check_path(rn.get("path"), f"{loc}.path")
+        host = rn.get("hostPath")
+        host = _check_path(host, f"{loc}.hostPath") if host is not None else ""
+        typ = _string(rn, "type", loc)
+        if typ not in ("", "c", "u", "b", "p"):
+            raise SpecError(f"{loc}.type: {typ!r} is not b, c, u or p")
+        if typ == "p":
+            raise SpecError(f"{loc}.type: FIFO device nodes are not supported")
+        perms = _string(rn, "permissions", loc)
+        if perms and (perms.strip("rwm") or len(set(perms)) != len(perms)):
+            raise SpecError(f"{loc}.permissions: {perms!r} must be made of r, w, m")
+        nodes.append(_RawNode(
+            path=path, host_path=host, type="c" if typ == "u" else typ,
+            major=_uint(rn.get("major"), f"{loc}.major"),
+            minor=_uint(rn.get("minor"), f"{loc}.minor"),
+            file_mode=_uint(rn.get("fileMode"), f"{loc}.fileMode"),
+            permissions=perms or "rwm",
+            uid=_uint(rn.get("uid"), f"{loc}.uid"),
+            gid=_uint(rn.get("gid"), f"{loc}.gid"),
+            where=loc,
+        ))
+
+    mounts = []
+    for i, rm in enumerate(_list(v.get("mounts"), f"{where}.mounts")):
+        loc = f"{where}.mounts[{i}]"
+        if not isinstance(rm, dict):
+            raise SpecError(f"{loc}: must be a mapping")
+        _no_unknown(rm, _MOUNT_KEYS, loc)
+        host = _check_path(rm.get("hostPath"), f"{loc}.hostPath")
+        dest = _check_path(rm.get("containerPath"), f"{loc}.containerPath")
+        top = PurePosixPath(dest).parts[1:2]
+        if top in (("proc",), ("sys",)):
+            raise SpecError(f"{loc}.containerPath: {dest!r}: mounts onto /proc or /sys are "
+                            "refused")
+        options = _strings(rm.get("options"), f"{loc}.options")
+        # Without options the mount gets nri-accel's default: read-only, nosuid, nodev.
+        mount = Mount(host_path=host, container_path=dest, type=_string(rm, "type", loc) or "bind")
+        mounts.append(dataclasses.replace(mount, options=options) if options else mount)
+
+    hooks = []
+    for i, rh in enumerate(_list(v.get("hooks"), f"{where}.hooks")):
+        loc = f"{where}.hooks[{i}]"
+        if not isinstance(rh, dict):
+            raise SpecError(f"{loc}: must be a mapping")
+        _no_unknown(rh, _HOOK_KEYS, loc)
+        name = _string(rh, "hookName", loc, required=True)
+        if name not in HOOK_NAMES:
+            raise SpecError(f"{loc}.hookName: {name!r} is not one of "
+                            f"{', '.join(sorted(HOOK_NAMES))}")
+        hook_env = _strings(rh.get("env"), f"{loc}.env")
+        _check_env(hook_env, f"{loc}.env")
+        hooks.append(Hook(hook_name=name, path=_check_path(rh.get("path"), f"{loc}.path"),
+                          args=_strings(rh.get("args"), f"{loc}.args"), env=hook_env,
+                          timeout=_uint(rh.get("timeout"), f"{loc}.timeout", positive=True)))
+
+    gids = []
+    for i, g in enumerate(_list(v.get("additionalGids"), f"{where}.additionalGids")):
+        gid = _uint(g, f"{where}.additionalGids[{i}]")
+        if gid:  # 0 is ignored, as the spec says
+            gids.append(gid)
+
+    edits = _RawEdits(env, tuple(nodes), tuple(mounts), tuple(hooks), tuple(gids))
+    if device_level and not (env or nodes or mounts or hooks or v.get("additionalGids")):
+        raise SpecError(f"{where}: a device needs at least one edit")
+    return edits
+
+
+def _list(v: Any, loc: str) -> list[Any]:
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise SpecError(f"{loc}: must be a list")
+    return v
+
+
+def _to_edits(root: HostRoot, raw: _RawEdits) -> ContainerEdits:
+    """Resolve device nodes against the host; raises DiscoveryError naming the node."""
+    nodes = []
+    for rn in raw.nodes:
+        host = rn.host_path or rn.path
+        node = host_device_node(root, host, container_path=rn.path, permissions=rn.permissions)
+        if rn.type and rn.type != node.type:
+            raise DiscoveryError(f"the spec says type {rn.type!r}, the host node is "
+                                 f"{node.type!r}", source=host)
+        # Upstream treats major 0 as "not given" and then fills both numbers from the host.
+        if rn.major and (rn.major, rn.minor or 0) != (node.major, node.minor):
+            raise DiscoveryError(f"the spec says {rn.major}:{rn.minor or 0}, the host node is "
+                                 f"{node.major}:{node.minor}", source=host)
+        nodes.append(dataclasses.replace(node, file_mode=rn.file_mode, uid=rn.uid, gid=rn.gid))
+    return ContainerEdits(env=raw.env, device_nodes=tuple(nodes), mounts=raw.mounts,
+                          hooks=raw.hooks, additional_gids=raw.gids)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def _vtuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.removeprefix("v").split("."))
+
+
+_YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+# ---- the version a spec needs (reading and writing) -----------------------------------
+
+
+def min_version(spec: Mapping[str, Any]) -> str:
+    """The lowest CDI version whose schema has every feature `spec` (raw form) uses."""
+    edits = [spec.get("containerEdits") or {}]
+    devices = spec.get("devices") or []
+    edits += [(d.get("containerEdits") or {}) for d in devices if isinstance(d, dict)]
+    edits = [e for e in edits if isinstance(e, dict)]
+    kind = spec.get("kind") or ""
+    cls = kind.partition("/")[2] if isinstance(kind, str) else ""
+
+    def all_of(key: str) -> list[Any]:
+        return [x for e in edits for x in (e.get(key) or []) if isinstance(x, dict)]
+
+    if any(e.get("additionalGids") for e in edits):
+        return "0.7.0"
+    if spec.get("annotations") or any(isinstance(d, dict) and d.get("annotations")
+                                      for d in devices) or "." in cls:
+        return "0.6.0"
+    if any(n.get("hostPath") for n in all_of("deviceNodes")) or any(
+            isinstance(d, dict) and isinstance(d.get("name"), str) and d["name"][:1].isdigit()
+            for d in devices):
+        return "0.5.0"
+    if any(m.get("type") for m in all_of("mounts")):
+        return "0.4.0"
+    return EARLIEST_VERSION
+
+
+# ---- writing ----------------------------------------------------------------------------
+
+
+def generate_specs(inventory: Inventory) -> list[dict[str, Any]]:
+    """One CDI spec (raw form, ready for render_spec) per NVIDIA/Neuron device kind."""
+    specs = []
+    for kind in GENERATED_KINDS:
+        devices = inventory.of_kind(kind)
+        if not devices:
+            continue
+        raw_devices = [{"name": d.name, "containerEdits": _edits_to_raw(d.edits)}
+                       for d in devices]
+        shared = merge_edits(_shared_edits(inventory, sorted({d.vendor for d in devices})))
+        spec: dict[str, Any] = {"cdiVersion": "", "kind": kind, "devices": raw_devices}
+        if shared:
+            spec["containerEdits"] = _edits_to_raw(shared)
+        spec["cdiVersion"] = min_version(spec)
+        specs.append(spec)
+    return specs
+
+
+def _shared_edits(inventory: Inventory, vendors: Iterable[str]) -> list[ContainerEdits]:
+    out = []
+    for vendor in vendors:
+        driver = inventory.driver(vendor)
+        if driver is None:
+            continue
+        for cap in ("", *DEFAULT_CAPABILITIES.get(vendor, ())):
+            edits = driver.capabilities.get(cap)
+            if edits is not None:
+                out.append(edits)
+    return out
+
+
+def _edits_to_raw(e: ContainerEdits) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if e.env:
+        out["env"] = list(e.env)
+    if e.device_nodes:
+        out["deviceNodes"] = [_node_to_raw(n) for n in e.device_nodes]
+    if e.mounts:
+        out["mounts"] = [{"hostPath": m.host_path, "containerPath": m.container_path,
+                          "type": m.type, "options": list(m.options)} for m in e.mounts]
+    if e.hooks:
+        out["hooks"] = [_hook_to_raw(h) for h in e.hooks]
+    if e.additional_gids:
+        out["additionalGids"] = list(e.additional_gids)
+    return out
+
+
+def _node_to_raw(n: DeviceNode) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": n.path}
+    if n.host_path:
+        out["hostPath"] = n.host_path
+    out.update(type=n.type, major=n.major, minor=n.minor)
+    if n.permissions != "rwm":
+        out["permissions"] = n.permissions
+    for key, value in (("fileMode", n.file_mode), ("uid", n.uid), ("gid", n.gid)):
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _hook_to_raw(h: Hook) -> dict[str, Any]:
+    out: dict[str, Any] = {"hookName": h.hook_name, "path": h.path}
+    if h.args:
+        out["args"] = list(h.args)
+    if h.env:
+        out["env"] = list(h.env)
+    if h.timeout is not None:
+        out["timeout"] = h.timeout
+    return out
+
+
+def render_spec(spec: Mapping[str, Any]) -> str:
+    """The spec as YAML, the format CDI tools write by default."""
+    header = (f"# CDI spec for {spec['kind']} generated by `nri-accel cdi generate`.\n"
+              "# Regenerate it when the node's devices or driver change.\n")
+    return header + yaml.safe_dump(dict(spec), sort_keys=False, default_flow_style=False,
+                                   width=1000)
+
+
+def spec_file_name(kind: str) -> str:
+    """File name for a kind's spec, as CDI's GenerateSpecName does: vendor-class.yaml."""
+    vendor, _, cls = kind.partition("/")
+    return f"{vendor}-{cls}.yaml"

@@ -1,0 +1,148 @@
+"""AWS Neuron (Inferentia, Trainium) discovery from /dev and sysfs.
+
+Owns: discover_neuron(root) -> Found. Imports the standard library, nri_accel.inventory,
+nri_accel.log and nri_accel.discover.{base,hostroot}. No ioctl, no Neuron library.
+
+What the aws-neuron-driver exposes (neuron_cdev.c, neuron_module.c) and is read here,
+through the HostRoot:
+
+- /dev/neuronN: one character device per Neuron device, named "neuron%d" with
+  minor == device index (the major is allocated dynamically, so it is read with lstat).
+- /sys/class/neuron_device/neuronN/core_count: the NeuronCores of the device ("%d").
+- /sys/class/neuron_device/neuronN/connected_devices: indices of the devices it has a
+  direct NeuronLink to, comma separated ("1, 3, 4, 12"); an empty line when none.
+- /sys/class/neuron_device/neuronN/info/architecture/{arch_type,device_name,
+  instance_type}: kept as attributes where present (newer drivers).
+- /sys/module/neuron/version: the driver version (MODULE_VERSION).
+
+Each device becomes Device(kind "aws.amazon.com/neuron", name "N", alias "neuronN",
+links = connected devices found on this node, attributes cores/arch/name/instance_type,
+vendor "neuron") with its /dev/neuronN node as edits. PCI bus id and NUMA node are left
+empty: the driver's class devices have no PCI parent and it numbers devices itself, so
+sysfs gives no reliable index-to-PCI mapping. The Neuron environment of a container
+(AWS_NEURON_VISIBLE_DEVICES, core visibility) is written by the edits stage, not here.
+"""
+
+from __future__ import annotations
+
+import re
+from types import MappingProxyType
+
+from nri_accel.discover.base import Found, host_device_node
+from nri_accel.discover.hostroot import HostRoot
+from nri_accel.errors import DiscoveryError
+from nri_accel.inventory import (
+    KIND_NEURON,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Driver,
+    Problem,
+)
+from nri_accel.log import get_logger
+
+log = get_logger(__name__)
+
+VENDOR = "neuron"
+MODULE_DIR = "module/neuron"
+CLASS_DIR = "class/neuron_device"
+_NODE_RE = re.compile(r"^neuron([0-9]+)$")
+_ARCH_FILES = (("arch", "arch_type"), ("name", "device_name"),
+               ("instance_type", "instance_type"))
+
+
+def discover_neuron(root: HostRoot) -> Found:
+    """Every /dev/neuronN of the host with its sysfs facts, and the driver version."""
+    problems: list[Problem] = []
+    dev_indices = _indices(root.listdir(root.dev))
+    sys_indices = _indices(root.listdir(root.sys_path(CLASS_DIR)))
+    module_loaded = root.exists(root.sys_path(MODULE_DIR))
+    if not dev_indices and not sys_indices and not module_loaded:
+        return Found()
+
+    for i in sorted(sys_indices - dev_indices):
+        problems.append(Problem(root.dev_path(f"neuron{i}"),
+                                f"the neuron driver reports neuron{i} in sysfs but the "
+                                "device node is missing"))
+
+    found: list[tuple[int, DeviceNode, dict[str, str], tuple[int, ...]]] = []
+    for i in sorted(dev_indices):
+        try:
+            node = host_device_node(root, root.dev_path(f"neuron{i}"))
+        except DiscoveryError as e:
+            problems.append(Problem(e.source, e.message))
+            continue
+        attributes, links, device_problems = _sysfs_facts(root, i)
+        problems += device_problems
+        found.append((i, node, attributes, links))
+
+    present = {i for i, _, _, _ in found}
+    devices = tuple(
+        Device(
+            kind=KIND_NEURON,
+            name=str(i),
+            aliases=(f"neuron{i}",),
+            edits=ContainerEdits(device_nodes=(node,)),
+            attributes=MappingProxyType(attributes),
+            links=tuple(str(j) for j in sorted(set(links) & present) if j != i),
+            vendor=VENDOR,
+        )
+        for i, node, attributes, links in found
+    )
+
+    version = _read(root, root.sys_path(f"{MODULE_DIR}/version"))
+    if version is None:
+        problems.append(Problem(VENDOR, f"driver version unknown: "
+                                f"{root.sys_path(MODULE_DIR + '/version')} is missing"))
+    if module_loaded and not dev_indices:
+        problems.append(Problem(VENDOR, f"the neuron driver is loaded but there is no "
+                                f"{root.dev_path('neuronN')} device node"))
+    driver = Driver(vendor=VENDOR, version=(version or "").strip())
+    log.debug("neuron_discovered", devices=len(devices), version=driver.version,
+              problems=len(problems))
+    return Found(devices=devices, drivers=(driver,), problems=tuple(problems))
+
+
+def _indices(names: list[str]) -> set[int]:
+    out = set()
+    for n in names:
+        m = _NODE_RE.match(n)
+        if m:
+            out.add(int(m.group(1)))
+    return out
+
+
+def _sysfs_facts(root: HostRoot, index: int) -> tuple[dict[str, str], tuple[int, ...],
+                                                      list[Problem]]:
+    base = root.sys_path(f"{CLASS_DIR}/neuron{index}")
+    if not root.exists(base):
+        return {}, (), [Problem(base, "missing: NeuronCore count and links unknown")]
+    attributes: dict[str, str] = {}
+    problems: list[Problem] = []
+    cores = _read(root, f"{base}/core_count")
+    if cores is None or not cores.strip().isdigit():
+        problems.append(Problem(f"{base}/core_count",
+                                "missing" if cores is None else f"not a number: {cores!r}"))
+    else:
+        attributes["cores"] = str(int(cores.strip()))
+    for key, filename in _ARCH_FILES:
+        value = _read(root, f"{base}/info/architecture/{filename}")
+        if value and value.strip():
+            attributes[key] = value.strip()
+    links: tuple[int, ...] = ()
+    connected = _read(root, f"{base}/connected_devices")
+    if connected is not None:
+        parts = [p.strip() for p in connected.split(",") if p.strip()]
+        if all(p.isdigit() for p in parts):
+            links = tuple(int(p) for p in parts)
+        else:
+            problems.append(Problem(f"{base}/connected_devices",
+                                    f"not a list of device indices: {connected.strip()!r}"))
+    return attributes, links, problems
+
+
+def _read(root: HostRoot, host_path: str) -> str | None:
+    try:
+        return root.read_text(host_path)
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,193 @@
+"""What `nri-accel discover` and `nri-accel cdi generate` print and write.
+
+Owns: render_table(inventory) (the human report), main_discover(args) and
+main_cdi_generate(args). Imports the standard library, nri_accel.config,
+nri_accel.errors, nri_accel.inventory, nri_accel.log and nri_accel.discover
+(load_or_discover, cdi writing).
+
+The table has three sections: DEVICES (kind, name, UUID, PCI bus id, NUMA node,
+health, MIG, and a short INFO column from the attributes), DRIVERS (each vendor, its
+version, and for each capability what files it brings, or that none were found), and
+PROBLEMS (what is missing and why). It holds only host paths and facts found on the
+node: the same node gives byte-identical output. `--json` prints Inventory.to_json(),
+which `--inventory FILE` reads back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from nri_accel import log as logging_setup
+from nri_accel.config import Config, load_config
+from nri_accel.discover import load_or_discover
+from nri_accel.discover.cdi import generate_specs, render_spec, spec_file_name
+from nri_accel.errors import ConfigError, NriAccelError
+from nri_accel.inventory import KIND_GPU, KIND_MIG, ContainerEdits, Device, Inventory
+
+_COLUMNS = ("KIND", "NAME", "UUID", "PCI", "NUMA", "HEALTH", "MIG", "INFO")
+
+
+def render_table(inventory: Inventory) -> str:
+    """The human-readable report of an Inventory."""
+    out: list[str] = [f"DEVICES ({len(inventory.devices)})"]
+    if inventory.devices:
+        rows = [_device_row(inventory, d) for d in inventory.devices]
+        out += _table(_COLUMNS, rows)
+    else:
+        out.append("  none found")
+
+    out += ["", f"DRIVERS ({len(inventory.drivers)})"]
+    if not inventory.drivers:
+        out.append("  none found")
+    for driver in inventory.drivers.values():
+        head = f"  {driver.vendor}"
+        if driver.version:
+            head += f"  version {driver.version}"
+        if driver.cuda_version:
+            head += f"  cuda {driver.cuda_version}"
+        out.append(head)
+        if not driver.capabilities:
+            out.append("    no shared files")
+        width = max((len(_cap_name(c)) for c in driver.capabilities), default=0)
+        for cap, edits in driver.capabilities.items():
+            out.append(f"    {_cap_name(cap):<{width}}  {_summary(edits)}")
+
+    out += ["", f"PROBLEMS ({len(inventory.problems)})"]
+    if not inventory.problems:
+        out.append("  none")
+    out += [f"  {p.source}: {p.message}" for p in inventory.problems]
+    return "\n".join(out) + "\n"
+
+
+def _device_row(inventory: Inventory, d: Device) -> tuple[str, ...]:
+    return (
+        d.kind,
+        d.name,
+        d.uuid or "-",
+        d.pci_bus_id or "-",
+        "-" if d.numa_node is None else str(d.numa_node),
+        "ok" if d.healthy else "UNHEALTHY",
+        _mig(inventory, d),
+        _info(d) or "-",
+    )
+
+
+def _mig(inventory: Inventory, d: Device) -> str:
+    a = d.attributes
+    if d.kind == KIND_MIG:
+        ids = "/".join(f"{k[:2]}{a[k]}" for k in ("gi_id", "ci_id") if k in a)
+        text = " ".join(x for x in (a.get("mig_profile", ""), ids) if x)
+        return " ".join(x for x in (text, f"(gpu {d.parent})" if d.parent else "") if x) or "-"
+    mode = a.get("mig_mode", "")
+    if d.kind == KIND_GPU and mode == "enabled":
+        n = sum(1 for m in inventory.of_kind(KIND_MIG) if m.parent == d.name)
+        return f"enabled, {n} instance{'s' if n != 1 else ''}"
+    return mode or "-"
+
+
+def _info(d: Device) -> str:
+    a = d.attributes
+    parts = []
+    if a.get("name"):
+        parts.append(a["name"])
+    if a.get("memory_mib"):
+        parts.append(f"{a['memory_mib']} MiB")
+    if a.get("compute_capability"):
+        parts.append(f"cc {a['compute_capability']}")
+    if a.get("cores"):
+        parts.append(f"{a['cores']} cores")
+    if d.links:
+        parts.append("links " + ",".join(d.links))
+    if a.get("origin"):
+        parts.append(f"from {a['origin']}")
+    return ", ".join(parts)
+
+
+def _cap_name(cap: str) -> str:
+    return cap or "shared"
+
+
+def _summary(edits: ContainerEdits) -> str:
+    counts = [(len(edits.device_nodes), "device node"), (len(edits.mounts), "mount"),
+              (len(edits.env), "env var"), (len(edits.hooks), "hook"),
+              (len(edits.additional_gids), "group")]
+    parts = [f"{n} {what}{'s' if n != 1 else ''}" for n, what in counts if n]
+    return ", ".join(parts) if parts else "nothing found"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  " + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]
+
+
+# ---- CLI verbs -------------------------------------------------------------------------
+
+
+def _setup_logging(config: Config) -> None:
+    """Logs to stderr, errors only (all of it if the config asks for debug): stdout is the
+    report, and what discovery warns about is in its PROBLEMS already."""
+    level = "debug" if config.log.level == "debug" else "error"
+    logging_setup.configure(level=level, fmt=config.log.format)
+
+
+def main_discover(args: argparse.Namespace) -> int:
+    """`nri-accel discover [--root DIR] [--config FILE] [--json]`."""
+    config = load_config(args.config)
+    _setup_logging(config)
+    inventory = load_or_discover(None, args.root, config)
+    sys.stdout.write(inventory.to_json() if args.json else render_table(inventory))
+    return 0
+
+
+def main_cdi_generate(args: argparse.Namespace) -> int:
+    """`nri-accel cdi generate [--inventory FILE | --root DIR] [--output FILE|DIR]`.
+
+    Without --output, every spec goes to stdout as YAML documents. With a directory
+    (e.g. /var/run/cdi, which outranks /etc/cdi), one file per device kind named as
+    CDI's own tools name them (vendor-class.yaml). With a file, the inventory must hold
+    a single kind. Files are replaced atomically.
+    """
+    config = load_config(args.config)
+    _setup_logging(config)
+    inventory = load_or_discover(args.inventory, args.root, config)
+    specs = generate_specs(inventory)
+    if not specs:
+        raise NriAccelError("no NVIDIA or Neuron devices: no CDI spec to write",
+                            source=args.inventory or f"node {args.root or '/'}")
+    if args.output is None:
+        sys.stdout.write("---\n".join(render_spec(s) for s in specs))
+        return 0
+    if os.path.isdir(args.output):
+        targets = [(os.path.join(args.output, spec_file_name(s["kind"])), s) for s in specs]
+    elif len(specs) == 1:
+        targets = [(args.output, specs[0])]
+    else:
+        kinds = ", ".join(s["kind"] for s in specs)
+        raise ConfigError(f"the inventory has {len(specs)} device kinds ({kinds}) and a CDI "
+                          "spec holds one: give a directory to write one spec per kind",
+                          source="--output")
+    for path, spec in targets:
+        _write_atomically(path, render_spec(spec))
+        print(f"wrote {path} ({spec['kind']}, {len(spec['devices'])} devices, "
+              f"cdiVersion {spec['cdiVersion']})")
+    return 0
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise NriAccelError(f"cannot write: {e.strerror or e}", source=path) from e

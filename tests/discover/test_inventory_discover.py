@@ -1,0 +1,148 @@
+"""The discover() orchestrator: precedence between sources, failures, the CLI helper."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import MappingProxyType
+
+import pytest
+import yaml
+from fakes.roots import materialise
+from hosttree import HostTree
+
+import nri_accel.discover as discovery
+from nri_accel.config import Config, DiscoveryConfig, StaticDevice
+from nri_accel.discover import assemble, discover, host_root, load_or_discover
+from nri_accel.discover.base import Found
+from nri_accel.inventory import (
+    KIND_GPU,
+    KIND_NEURON,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Driver,
+    Inventory,
+    Problem,
+)
+
+
+def _dev(kind: str, name: str, *, origin: str = "", vendor: str = "") -> Device:
+    attrs = MappingProxyType({"origin": origin} if origin else {})
+    return Device(kind=kind, name=name, attributes=attrs, vendor=vendor,
+                  edits=ContainerEdits(env=(f"FROM={origin or kind}",)))
+
+
+def test_native_kind_shadows_cdi_and_static_of_that_kind() -> None:
+    cdi_driver = Driver(vendor="cdi:/etc/cdi/nvidia.yaml")
+    inv = assemble([
+        ("nvidia", Found(devices=(_dev(KIND_GPU, "0", vendor="nvidia"),),
+                         drivers=(Driver(vendor="nvidia", version="550.54.15"),))),
+        ("neuron", Found()),
+        ("static", Found(devices=(_dev(KIND_GPU, "9", origin="config"),))),
+        ("cdi", Found(devices=(
+            _dev(KIND_GPU, "0", origin="/etc/cdi/nvidia.yaml", vendor=cdi_driver.vendor),
+            _dev(KIND_GPU, "GPU-1234", origin="/etc/cdi/nvidia.yaml", vendor=cdi_driver.vendor),
+            _dev("amd.com/gpu", "0", origin="/etc/cdi/amd.json"),
+        ), drivers=(cdi_driver,))),
+    ])
+    assert [d.qualified_name for d in inv.devices] == ["amd.com/gpu=0", "nvidia.com/gpu=0"]
+    assert inv.find(KIND_GPU, "0").vendor == "nvidia"
+    assert list(inv.drivers) == ["nvidia"]  # the shadowed spec's driver entry goes too
+    assert [(p.source, p.message) for p in inv.problems] == [
+        ("static device nvidia.com/gpu=9",
+         "nvidia.com/gpu devices are discovered by nvidia; the 1 defined here are ignored"),
+        ("/etc/cdi/nvidia.yaml",
+         "nvidia.com/gpu devices are discovered by nvidia; the 2 defined here are ignored"),
+    ]
+
+
+def test_without_native_devices_cdi_serves_the_kind() -> None:
+    inv = assemble([
+        ("nvidia", Found(problems=(Problem("nvidia", "NVML not found"),))),
+        ("cdi", Found(devices=(_dev(KIND_GPU, "0", origin="/etc/cdi/nvidia.yaml"),))),
+    ])
+    assert [d.qualified_name for d in inv.devices] == ["nvidia.com/gpu=0"]
+    assert [p.source for p in inv.problems] == ["nvidia"]
+
+
+def test_static_wins_over_cdi_for_the_same_name() -> None:
+    inv = assemble([
+        ("static", Found(devices=(_dev("acme.example/npu", "0", origin="config"),))),
+        ("cdi", Found(devices=(_dev("acme.example/npu", "0", origin="/etc/cdi/acme.yaml"),
+                               _dev("acme.example/npu", "1", origin="/etc/cdi/acme.yaml")))),
+    ])
+    assert [d.edits.env for d in inv.devices] == [("FROM=config",), ("FROM=/etc/cdi/acme.yaml",)]
+    assert [(p.source, p.message) for p in inv.problems] == [
+        ("/etc/cdi/acme.yaml", "acme.example/npu=0 is already provided by static device "
+                               "acme.example/npu=0; this definition is ignored")]
+
+
+def test_identical_problems_are_reported_once() -> None:
+    p = Problem("/dev/char/195:0", "missing")
+    inv = assemble([("nvidia", Found(problems=(p, p))), ("neuron", Found(problems=(p,)))])
+    assert inv.problems == (p,)
+
+
+def _node(tmp_path: Path) -> HostTree:
+    tree = HostTree(tmp_path / "node")
+    tree.file("/sys/module/neuron/version", "2.21.37.0\n")
+    tree.chardev("/dev/neuron0", 241, 0)
+    tree.file("/sys/class/neuron_device/neuron0/core_count", "8")
+    tree.chardev("/dev/npu0", 240, 0)
+    tree.file("/etc/cdi/acme.yaml", yaml.safe_dump({
+        "cdiVersion": "0.6.0", "kind": "acme.example/npu",
+        "devices": [{"name": "npu0", "containerEdits": {"deviceNodes": [{"path": "/dev/npu0"}]}}],
+    }))
+    return tree
+
+
+def test_a_failing_discoverer_is_a_problem_and_the_others_still_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(root: object) -> Found:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(discovery, "discover_neuron", broken)
+    inv = discover(_node(tmp_path).root, Config())
+    assert [d.qualified_name for d in inv.devices] == ["acme.example/npu=npu0"]
+    assert Problem("neuron", "discovery failed: RuntimeError: boom") in inv.problems
+
+
+def test_discover_uses_every_source_and_the_configured_spec_dirs(tmp_path: Path) -> None:
+    tree = _node(tmp_path)
+    tree.chardev("/dev/fpga0", 250, 0)
+    config = Config(discovery=DiscoveryConfig(cdi_spec_dirs=("/etc/cdi",)),
+                    static_devices=(StaticDevice("xilinx.com/fpga", "fpga0", ("/dev/fpga0",)),))
+    inv = discover(tree.root, config)
+    assert [d.qualified_name for d in inv.devices] == [
+        "acme.example/npu=npu0", "aws.amazon.com/neuron=0", "xilinx.com/fpga=fpga0"]
+    assert inv.find(KIND_NEURON, "neuron0").attributes["cores"] == "8"
+    assert set(inv.drivers) == {"neuron"}  # the acme spec has no spec-level edits
+    # the node has no NVIDIA driver: that is said, and nothing else is wrong
+    assert {p.source for p in inv.problems} == {"nvidia"}
+    config = Config(discovery=DiscoveryConfig(cdi_spec_dirs=("/var/run/cdi",)))
+    assert [d.kind for d in discover(tree.root, config).devices] == [KIND_NEURON]
+
+
+def test_load_or_discover_reads_a_saved_inventory_or_discovers(tmp_path: Path) -> None:
+    tree = _node(tmp_path)
+    live = load_or_discover(None, str(tree.base), Config())
+    saved = tmp_path / "node.json"
+    saved.write_text(live.to_json())
+    assert load_or_discover(str(saved), None, Config()) == live
+    assert len(live.devices) == 2
+
+
+def test_host_root_takes_the_driver_root_from_the_config(tmp_path: Path) -> None:
+    config = Config(discovery=DiscoveryConfig(driver_root="/run/nvidia/driver"))
+    root = host_root(str(tmp_path), config)
+    assert (root.root, root.driver_root) == (str(tmp_path), "/run/nvidia/driver")
+    assert host_root(None, Config()).root == "/"
+
+
+def test_fake_roots_discover_deterministically(tmp_path: Path) -> None:
+    a = discover(materialise("trn1", tmp_path / "a"), Config())
+    b = discover(materialise("trn1", tmp_path / "b"), Config())
+    assert a == b and a.to_json() == b.to_json()
+    assert isinstance(a, Inventory) and len(a.of_kind(KIND_NEURON)) == 16
+    node = a.find(KIND_NEURON, "15").edits.device_nodes[0]
+    assert node == DeviceNode("/dev/neuron15", 241, 15)

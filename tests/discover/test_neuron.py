@@ -1,0 +1,140 @@
+"""Neuron discovery: the trn1 fake root and the error paths of /dev and sysfs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fakes.roots import materialise
+from hosttree import HostTree
+
+from nri_accel.discover.neuron import discover_neuron
+from nri_accel.inventory import KIND_NEURON, DeviceNode
+
+SYSFS = "/sys/class/neuron_device"
+
+
+def _neuron_node(tree: HostTree, i: int, *, cores: str = "2", links: str = "") -> None:
+    tree.chardev(f"/dev/neuron{i}", 241, i)
+    tree.file(f"{SYSFS}/neuron{i}/core_count", cores)
+    tree.file(f"{SYSFS}/neuron{i}/connected_devices", links + "\n")
+
+
+def _tree(tmp_path: Path, count: int = 3) -> HostTree:
+    tree = HostTree(tmp_path / "node")
+    tree.file("/sys/module/neuron/version", "2.21.37.0\n")
+    for i in range(count):
+        others = ", ".join(str(j) for j in range(count) if j != i)
+        _neuron_node(tree, i, links=others)
+    return tree
+
+
+def test_trn1_root_has_16_trainium_devices_in_a_torus(tmp_path: Path) -> None:
+    found = discover_neuron(materialise("trn1", tmp_path / "trn1"))
+    assert found.problems == ()
+    assert [d.name for d in found.devices] == [str(i) for i in range(16)]
+    d5 = found.devices[5]
+    assert d5.kind == KIND_NEURON
+    assert d5.qualified_name == "aws.amazon.com/neuron=5"
+    assert d5.aliases == ("neuron5",)
+    assert d5.vendor == "neuron"
+    assert d5.edits.device_nodes == (DeviceNode("/dev/neuron5", 241, 5),)
+    assert dict(d5.attributes) == {"cores": "2", "arch": "v2", "name": "Trainium1",
+                                   "instance_type": "Trn1"}
+    assert d5.links == ("1", "4", "6", "9")
+    assert all(len(d.links) == 4 for d in found.devices)
+    # connectivity is symmetric in a torus
+    assert all(d.name in found.devices[int(p)].links for d in found.devices for p in d.links)
+    (driver,) = found.drivers
+    assert (driver.vendor, driver.version) == ("neuron", "2.19.64.0")
+
+
+def test_no_neuron_driver_means_nothing_and_no_problem(tmp_path: Path) -> None:
+    tree = HostTree(tmp_path / "node")
+    tree.chardev("/dev/null", 1, 3)
+    found = discover_neuron(tree.root)
+    assert (found.devices, found.drivers, found.problems) == ((), (), ())
+
+
+def test_symlinked_device_node_is_refused_and_links_to_it_dropped(tmp_path: Path) -> None:
+    tree = _tree(tmp_path)
+    tree.remove("/dev/neuron1")
+    tree.chardev("/dev/real-neuron1", 241, 1)
+    tree.symlink("/dev/neuron1", "real-neuron1")
+    found = discover_neuron(tree.root)
+    assert [d.name for d in found.devices] == ["0", "2"]
+    assert found.devices[0].links == ("2",)
+    assert [(p.source, "symlink" in p.message) for p in found.problems] == [
+        ("/dev/neuron1", True)]
+
+
+def test_device_node_that_is_a_regular_file_is_refused(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, 1)
+    tree.remove("/dev/neuron0")
+    tree.file("/dev/neuron0", "")
+    found = discover_neuron(tree.root)
+    assert found.devices == ()
+    assert found.problems[0].source == "/dev/neuron0"
+    assert "not a character or block device" in found.problems[0].message
+
+
+def test_missing_sysfs_keeps_the_device_without_facts(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, 2)
+    for name in ("core_count", "connected_devices"):
+        tree.remove(f"{SYSFS}/neuron1/{name}")
+    tree.path(f"{SYSFS}/neuron1").rmdir()
+    found = discover_neuron(tree.root)
+    d1 = found.devices[1]
+    assert (d1.name, dict(d1.attributes), d1.links) == ("1", {}, ())
+    assert found.devices[0].links == ("1",)
+    assert [p.source for p in found.problems] == [f"{SYSFS}/neuron1"]
+
+
+def test_malformed_sysfs_values_are_problems(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, 2)
+    tree.file(f"{SYSFS}/neuron0/core_count", "two")
+    tree.file(f"{SYSFS}/neuron1/connected_devices", "0, x\n")
+    found = discover_neuron(tree.root)
+    assert "cores" not in found.devices[0].attributes
+    assert found.devices[1].links == ()
+    assert {p.source: p.message for p in found.problems} == {
+        f"{SYSFS}/neuron0/core_count": "not a number: 'two'",
+        f"{SYSFS}/neuron1/connected_devices": "not a list of device indices: '0, x'",
+    }
+
+
+def test_empty_connected_devices_means_no_links(tmp_path: Path) -> None:
+    tree = HostTree(tmp_path / "node")
+    tree.file("/sys/module/neuron/version", "2.21.37.0\n")
+    _neuron_node(tree, 0, links="")
+    found = discover_neuron(tree.root)
+    assert found.devices[0].links == ()
+    assert found.problems == ()
+
+
+def test_sysfs_device_without_node_and_loaded_driver_without_devices(tmp_path: Path) -> None:
+    tree = HostTree(tmp_path / "node")
+    tree.file("/sys/module/neuron/version", "2.21.37.0\n")
+    tree.file(f"{SYSFS}/neuron0/core_count", "4")
+    found = discover_neuron(tree.root)
+    assert found.devices == ()
+    assert found.drivers[0].version == "2.21.37.0"
+    assert [p.source for p in found.problems] == ["/dev/neuron0", "neuron"]
+    assert "device node is missing" in found.problems[0].message
+    assert "no /dev/neuronN" in found.problems[1].message
+
+
+def test_unknown_driver_version_is_a_problem(tmp_path: Path) -> None:
+    tree = HostTree(tmp_path / "node")
+    _neuron_node(tree, 0)
+    found = discover_neuron(tree.root)
+    assert [d.name for d in found.devices] == ["0"]
+    assert found.drivers[0].version == ""
+    assert [p.source for p in found.problems] == ["neuron"]
+    assert "/sys/module/neuron/version" in found.problems[0].message
+
+
+def test_device_order_is_natural_not_lexical(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, 12)
+    found = discover_neuron(tree.root)
+    assert [d.name for d in found.devices] == [str(i) for i in range(12)]
+    assert found.devices[0].links[-2:] == ("10", "11")

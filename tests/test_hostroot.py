@@ -1,0 +1,62 @@
+"""HostRoot maps host paths into a mounted root, resolving symlinks as the host would."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from nri_accel.discover.hostroot import HostRoot
+
+
+def test_identity_at_slash() -> None:
+    assert HostRoot().local("/dev/nvidia0") == "/dev/nvidia0"
+
+
+def test_relative_and_dotdot_refused(tmp_path) -> None:
+    r = HostRoot.at(tmp_path)
+    with pytest.raises(ValueError, match="absolute"):
+        r.local("dev/x")
+    with pytest.raises(ValueError, match=r"'\.\.'"):
+        r.local("/dev/../etc/shadow")
+
+
+def test_absolute_symlink_in_a_parent_stays_inside_the_root(tmp_path) -> None:
+    # A host's /var/run -> /run: read the host's /run, not this process's.
+    (tmp_path / "run" / "cdi").mkdir(parents=True)
+    (tmp_path / "run" / "cdi" / "x.yaml").write_text("host spec")
+    (tmp_path / "var").mkdir()
+    os.symlink("/run", tmp_path / "var" / "run")
+    r = HostRoot.at(tmp_path)
+    assert r.local("/var/run/cdi/x.yaml") == str(tmp_path / "run" / "cdi" / "x.yaml")
+    assert r.read_text("/var/run/cdi/x.yaml") == "host spec"
+
+
+def test_relative_symlink_cannot_climb_out_of_the_root(tmp_path) -> None:
+    (tmp_path / "a").mkdir()
+    os.symlink("../../../../etc", tmp_path / "a" / "up")
+    r = HostRoot.at(tmp_path)
+    assert r.local("/a/up/passwd") == str(tmp_path / "etc" / "passwd")
+
+
+def test_last_component_is_not_followed(tmp_path) -> None:
+    (tmp_path / "dev").mkdir()
+    os.symlink("/dev/null", tmp_path / "dev" / "nvidia0")
+    r = HostRoot.at(tmp_path)
+    assert r.local("/dev/nvidia0") == str(tmp_path / "dev" / "nvidia0")
+    assert not r.is_char_device("/dev/nvidia0")  # lstat sees the link, not /dev/null
+
+
+def test_symlink_loop_is_an_error(tmp_path) -> None:
+    os.symlink("/b", tmp_path / "a")
+    os.symlink("/a", tmp_path / "b")
+    with pytest.raises(OSError, match="symbolic links"):
+        HostRoot.at(tmp_path).local("/a/file")
+
+
+def test_host_is_the_inverse(tmp_path) -> None:
+    r = HostRoot.at(tmp_path)
+    assert r.host(str(tmp_path / "dev" / "nvidia0")) == "/dev/nvidia0"
+    assert r.host(str(tmp_path)) == "/"
+    with pytest.raises(ValueError, match="outside"):
+        r.host("/elsewhere")
