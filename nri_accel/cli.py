@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write the NVIDIA and Neuron devices of the inventory as a "
                        "CDI spec, for runtimes or tools that consume CDI directly.")
     _add_source(g)
-    g.add_argument("--output", metavar="FILE", help="write here instead of stdout")
+    g.add_argument("--output", metavar="FILE|DIR",
+                   help="write to FILE, or one <vendor>-<class>.yaml per kind into DIR "
+                   "(default: stdout)")
     _add_config(g)
     g.set_defaults(target="nri_accel.discover.report:main_cdi_generate")
 
