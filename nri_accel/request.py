@@ -50,6 +50,9 @@ from nri_accel.select import vendor_of
 
 DEVICES_KEY = "devices.nri-accel.io"
 CAPABILITIES_KEY = "capabilities.nri-accel.io"
+# Container annotations nri-accel's device plugin returns from Allocate, one key per
+# resource (kubelet keeps only the first value of a key repeated across resources).
+GRANT_KEY_PREFIX = DEVICES_KEY + "/resource."
 INJECTOR_CDI_KEYS = ("cdi-devices.noderesource.dev", "cdi-devices.nri.io")  # new, deprecated
 CDI_PREFIXES = ("cdi.k8s.io/", "nvidia.cdi.k8s.io/")
 _PLUGIN_KEY_PREFIXES = (DEVICES_KEY + "/", CAPABILITIES_KEY + "/")
@@ -254,7 +257,7 @@ def _container_sources(info: ContainerInfo) -> tuple[tuple[_Source, ...], tuple[
     trusted: list[_Source] = []
     demoted: list[_Source] = []
     for key in sorted(info.container_annotations):
-        is_devices = key == DEVICES_KEY
+        is_devices = key == DEVICES_KEY or key.startswith(GRANT_KEY_PREFIX)
         if not is_devices and not key.startswith(CDI_PREFIXES):
             continue
         value = info.container_annotations[key]

@@ -1,0 +1,307 @@
+"""Kubelet resources from the Inventory, preferred allocations and the grant annotation.
+
+Owns: which extended resources nri-accel advertises and under which device IDs, the
+choice of a preferred allocation, and the trusted grant annotation that Allocate writes
+(its key and value; nri_accel.request reads it back). Pure functions over
+frozen dataclasses: no grpc, no I/O. Imports the standard library, nri_accel.config,
+nri_accel.errors, nri_accel.inventory and nri_accel.request (the grant annotation key),
+never grpc.
+
+Resources (one kubelet device plugin each):
+- `nvidia.com/gpu`: whole GPUs, except those in MIG mode (attribute mig_mode=enabled),
+  which are handed out only as their MIG devices (NVIDIA's "mixed" MIG strategy);
+- `nvidia.com/mig-<profile>`: MIG devices by profile, e.g. `nvidia.com/mig-1g.10gb`
+  (`nvidia.com/mig-1g.10gb.me` for the media-extension profile `1g.10gb+me`);
+- every other kind as is: `aws.amazon.com/neuron`, CDI and static kinds (`vendor/class`).
+A device's kubelet ID is its UUID, else its name. Anything that cannot be advertised (no
+MIG profile, a name kubelet would refuse, an ID over 63 characters) is left out with a
+Problem naming it.
+
+The grant: kubelet copies the annotations of each Allocate response into the container's
+CRI annotations, where pod authors cannot write. When a container uses two resources,
+kubelet keeps only the first value of an annotation key that both responses set, so each
+resource writes its own key, `devices.nri-accel.io/resource.<vendor>_<name>` (e.g.
+`devices.nri-accel.io/resource.nvidia.com_gpu`), whose value is the comma-separated
+qualified names of the granted devices in inventory order
+(`nvidia.com/gpu=GPU-<uuid>,nvidia.com/gpu=GPU-<uuid>`), the grammar of the plugin's
+annotations.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from nri_accel.config import Config
+from nri_accel.errors import AllocationError
+from nri_accel.inventory import KIND_GPU, KIND_MIG, KIND_NEURON, Device, Inventory, Problem
+from nri_accel.request import GRANT_KEY_PREFIX
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
+
+# Kinds that nri-accel discovers itself; any other kind came from a CDI spec or the
+# config's static devices.
+_OWN_KINDS = frozenset({KIND_GPU, KIND_MIG, KIND_NEURON})
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True, slots=True)
+class PluginDevice:
+    """One device as kubelet sees it."""
+
+    id: str  # kubelet device ID: the UUID, else the inventory name
+    qualified_name: str  # "<kind>=<id>", what the grant annotation lists
+    healthy: bool = True
+    numa_node: int | None = None
+    links: tuple[str, ...] = ()  # IDs of directly linked peers in the same resource
+    cdi_name: str = ""  # CDI device name to hand to the runtime ("" when not passed through)
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """One extended resource and its devices, in inventory order."""
+
+    name: str  # "nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "aws.amazon.com/neuron"
+    devices: tuple[PluginDevice, ...] = ()
+    _by_id: Mapping[str, int] = field(
+        default_factory=lambda: MappingProxyType({}), compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        index = {d.id: i for i, d in enumerate(self.devices)}
+        object.__setattr__(self, "_by_id", MappingProxyType(index))
+
+    def device(self, device_id: str) -> PluginDevice | None:
+        i = self._by_id.get(device_id)
+        return None if i is None else self.devices[i]
+
+    def position(self, device_id: str) -> int:
+        """Inventory order of a device; unknown IDs sort last."""
+        return self._by_id.get(device_id, len(self.devices))
+
+    @property
+    def endpoint(self) -> str:
+        """File name of this resource's socket in the kubelet device-plugin directory."""
+        return "nri-accel-" + self.name.replace("/", "_") + ".sock"
+
+    @property
+    def annotation_key(self) -> str:
+        return grant_annotation_key(self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What Allocate answers for one container."""
+
+    annotations: Mapping[str, str]
+    cdi_devices: tuple[str, ...] = ()
+
+
+def resources_from_inventory(
+    inventory: Inventory, config: Config
+) -> tuple[tuple[Resource, ...], tuple[Problem, ...]]:
+    """The resources to advertise, sorted by name, and the devices left out (why).
+
+    With `config.devices.cdi_passthrough`, devices from CDI specs also carry their CDI
+    name for Allocate's cdi_devices (static devices have no spec a runtime could read).
+    """
+    static = {(s.kind, s.name) for s in config.static_devices}
+    passthrough = config.devices.cdi_passthrough
+    grouped: dict[str, list[Device]] = {}
+    problems: list[Problem] = []
+    for dev in inventory.devices:
+        if dev.kind == KIND_GPU and dev.attributes.get("mig_mode") == "enabled":
+            continue  # granted as its MIG devices only
+        name, why = _resource_name(dev)
+        if not name:
+            problems.append(Problem(dev.qualified_name, f"not advertised to kubelet: {why}"))
+            continue
+        did = dev.uuid or dev.name
+        if len(did) > MAX_DEVICE_ID:
+            problems.append(Problem(dev.qualified_name, f"not advertised to kubelet: device "
+                                    f"ID {did!r} is longer than {MAX_DEVICE_ID} characters"))
+            continue
+        grouped.setdefault(name, []).append(dev)
+
+    resources = []
+    for name in sorted(grouped):
+        devs = grouped[name]
+        ids = {d.name: d.uuid or d.name for d in devs}  # in inventory order
+        pos = {n: k for k, n in enumerate(ids)}
+        plugin_devices = []
+        for d in devs:
+            cdi = passthrough and d.kind not in _OWN_KINDS and (d.kind, d.name) not in static
+            peers = sorted({p for p in d.links if p in ids and p != d.name}, key=pos.__getitem__)
+            plugin_devices.append(PluginDevice(
+                id=ids[d.name],
+                qualified_name=f"{d.kind}={ids[d.name]}",
+                healthy=d.healthy,
+                numa_node=_numa_node(d, inventory),
+                links=tuple(ids[p] for p in peers),
+                cdi_name=d.qualified_name if cdi else "",
+            ))
+        resources.append(Resource(name, tuple(plugin_devices)))
+    return tuple(resources), tuple(problems)
+
+
+def _resource_name(dev: Device) -> tuple[str, str]:
+    """(resource name, "") or ("", why the device cannot be advertised)."""
+    if dev.kind == KIND_MIG:
+        profile = dev.attributes.get("mig_profile", "")
+        if not profile:
+            return "", "MIG device without a mig_profile attribute"
+        # A profile's "+" (the media extension "1g.10gb+me") cannot appear in a
+        # resource name: it becomes ".", nvidia.com/mig-1g.10gb.me.
+        name = "nvidia.com/mig-" + profile.replace("+", ".")
+    else:
+        name = dev.kind
+    why = extended_resource_name_error(name)
+    return ("", why) if why else (name, "")
+
+
+def extended_resource_name_error(name: str) -> str:
+    """Why kubelet would refuse `name` as an extended resource name ("" if it would not)."""
+    prefix, sep, local = name.partition("/")
+    if not sep:
+        return f"resource name {name!r} has no domain prefix"
+    if len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix):
+        return f"resource name {name!r}: {prefix!r} is not a DNS subdomain"
+    if prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io"):
+        return f"resource name {name!r} is in the kubernetes.io domain"
+    if len(local) > 63 or not _QUALIFIED_NAME.match(local):
+        return (f"resource name {name!r}: {local!r} must be 1-63 letters, digits, '-', '_' "
+                "or '.', starting and ending with a letter or digit")
+    return ""
+
+
+def _numa_node(dev: Device, inventory: Inventory) -> int | None:
+    if dev.numa_node is not None:
+        return dev.numa_node
+    if dev.kind == KIND_MIG and dev.parent:
+        parent = inventory.find(KIND_GPU, dev.parent)
+        if parent is not None:
+            return parent.numa_node
+    return None
+
+
+# ---- Allocate -----------------------------------------------------------------------
+
+
+def grant_annotation_key(resource_name: str) -> str:
+    """The annotation key under which `resource_name`'s Allocate grants devices."""
+    return GRANT_KEY_PREFIX + resource_name.replace("/", "_")
+
+
+def allocate(resource: Resource, device_ids: Iterable[str]) -> Grant:
+    """The grant for one container's devices (inventory order, de-duplicated).
+
+    Raises AllocationError naming the first ID this resource does not have.
+    """
+    positions = set()
+    for did in device_ids:
+        if resource.device(did) is None:
+            shown = did if len(did) <= 80 else did[:80] + "..."
+            raise AllocationError(f"unknown device ID {shown!r}", source=resource.name)
+        positions.add(resource.position(did))
+    devices = [resource.devices[i] for i in sorted(positions)]
+    value = ",".join(d.qualified_name for d in devices)
+    return Grant(
+        annotations=MappingProxyType({resource.annotation_key: value}),
+        cdi_devices=tuple(d.cdi_name for d in devices if d.cdi_name),
+    )
+
+
+# ---- GetPreferredAllocation --------------------------------------------------------
+
+
+def preferred_allocation(
+    resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int
+) -> tuple[str, ...]:
+    """`size` device IDs from `available`, including `must_include`, in inventory order.
+
+    Preference: all on one NUMA node (the node of the must-include devices first, then
+    the set with the most direct links among its devices, then the smallest node that
+    fits, keeping larger nodes whole for larger requests); when no node fits, whole
+    NUMA nodes, largest first, and the remainder chosen as above. Within a node, devices
+    are added greedily by links to those already chosen. IDs the resource does not know
+    are never chosen beyond the must-include ones. Deterministic.
+    """
+    order = resource.position
+    must = sorted(dict.fromkeys(must_include), key=order)
+    need = size - len(must)
+    if need <= 0:
+        return tuple(must)
+    taken = set(must)
+    pool = sorted((i for i in dict.fromkeys(available)
+                   if i not in taken and resource.device(i) is not None), key=order)
+    if need >= len(pool):
+        return tuple(sorted(must + pool, key=order))
+
+    groups: dict[int | None, list[str]] = {}
+    for i in pool:
+        groups.setdefault(_numa(resource, i), []).append(i)
+    must_numas = {_numa(resource, i) for i in must}
+    chosen = list(must)
+    while need > 0:
+        fitting = [n for n, g in groups.items() if len(g) >= need]
+        if fitting:
+            options = {n: _grow(resource, chosen, groups[n], need) for n in fitting}
+            best = min(fitting, key=lambda n: (
+                n not in must_numas,
+                -_link_count(resource, chosen + options[n]),
+                len(groups[n]),
+                _numa_key(n),
+            ))
+            chosen += options[best]
+            break
+        whole = max(groups, key=lambda n: (n in must_numas, len(groups[n]), _neg_numa_key(n)))
+        chosen += groups.pop(whole)
+        need = size - len(chosen)
+    return tuple(sorted(chosen, key=order))
+
+
+def _numa(resource: Resource, device_id: str) -> int | None:
+    dev = resource.device(device_id)
+    return None if dev is None else dev.numa_node
+
+
+def _numa_key(n: int | None) -> tuple[bool, int]:
+    return (n is None, n or 0)
+
+
+def _neg_numa_key(n: int | None) -> tuple[bool, int]:
+    """Reverse of _numa_key, for max(): lower NUMA ids win ties."""
+    return (n is not None, -(n or 0))
+
+
+def _grow(resource: Resource, chosen: list[str], candidates: list[str], need: int) -> list[str]:
+    """`need` devices from `candidates`, each the one with most links to those chosen so
+    far (then most links among the remaining candidates, then inventory order)."""
+    picked: list[str] = []
+    rest = list(candidates)
+    while len(picked) < need:
+        have = set(chosen) | set(picked)
+        left = set(rest)
+        best = max(rest, key=lambda i: (
+            len(have.intersection(_links(resource, i))),
+            len(left.intersection(_links(resource, i))),
+            -resource.position(i),
+        ))
+        picked.append(best)
+        rest.remove(best)
+    return picked
+
+
+def _links(resource: Resource, device_id: str) -> tuple[str, ...]:
+    dev = resource.device(device_id)
+    return () if dev is None else dev.links
+
+
+def _link_count(resource: Resource, ids: list[str]) -> int:
+    members = set(ids)
+    return sum(len(members.intersection(_links(resource, i))) for i in ids)

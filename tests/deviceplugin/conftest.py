@@ -1,0 +1,134 @@
+"""Fixtures for the device plugin tests.
+
+`node_inventory()`: a small mixed node (built in Python, no discovery): GPU 0 on NUMA 0,
+GPU 1 on NUMA 1 in MIG mode with two 1g.10gb and one 2g.20gb MIG devices, GPU 2 on NUMA 1
+unhealthy, two linked Neuron devices, two CDI NPUs (acme.example/npu) and one static
+FPGA (acme.example/fpga, declared in `NODE_CONFIG`).
+`kubelet`: a FakeKubelet (see fake_kubelet.py) started in a short temporary directory
+(unix socket paths are limited to 107 bytes).
+`plugins`: starts DevicePlugins on a background asyncio loop, as `nri-accel
+device-plugin` runs it, with a 50 ms poll; stopped at teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+
+from nri_accel.config import Config, StaticDevice
+from nri_accel.deviceplugin.server import DevicePlugins
+from nri_accel.inventory import KIND_GPU, KIND_MIG, KIND_NEURON, Device, Inventory
+
+from .fake_kubelet import WAIT, FakeKubelet
+
+GPU0 = "GPU-6f5c8a36-2b0e-4f59-9d3e-0c1b7a5e9f10"
+GPU1 = "GPU-1d2e3f40-5a6b-4c7d-8e9f-a0b1c2d3e4f5"
+GPU2 = "GPU-9a8b7c6d-5e4f-4a3b-9c2d-1e0f2a3b4c5d"
+MIG_A = "MIG-0a1b2c3d-4e5f-5a6b-8c7d-9e0f1a2b3c4d"
+MIG_B = "MIG-1b2c3d4e-5f6a-5b7c-9d8e-0f1a2b3c4d5e"
+MIG_C = "MIG-2c3d4e5f-6a7b-5c8d-ae9f-1a2b3c4d5e6f"
+
+NODE_CONFIG = Config(static_devices=(StaticDevice("acme.example/fpga", "fpga0"),))
+
+
+def _attrs(**kw: str) -> MappingProxyType[str, str]:
+    return MappingProxyType(dict(kw))
+
+
+def node_inventory(*, gpu0_healthy: bool = True, with_2g: bool = True,
+                   with_neuron: bool = True) -> Inventory:
+    devices = [
+        Device(KIND_GPU, "0", uuid=GPU0, numa_node=0, vendor="nvidia",
+               healthy=gpu0_healthy),
+        Device(KIND_GPU, "1", uuid=GPU1, numa_node=1, vendor="nvidia",
+               attributes=_attrs(mig_mode="enabled")),
+        Device(KIND_GPU, "2", uuid=GPU2, numa_node=1, vendor="nvidia", healthy=False),
+        Device(KIND_MIG, "1:0", uuid=MIG_A, parent="1", vendor="nvidia",
+               attributes=_attrs(mig_profile="1g.10gb")),
+        Device(KIND_MIG, "1:1", uuid=MIG_B, parent="1", vendor="nvidia",
+               attributes=_attrs(mig_profile="1g.10gb")),
+        Device("acme.example/npu", "npu0"),
+        Device("acme.example/npu", "npu1"),
+        Device("acme.example/fpga", "fpga0", attributes=_attrs(origin="config")),
+    ]
+    if with_2g:
+        devices.append(Device(KIND_MIG, "1:2", uuid=MIG_C, parent="1", vendor="nvidia",
+                              attributes=_attrs(mig_profile="2g.20gb")))
+    if with_neuron:
+        devices += [
+            Device(KIND_NEURON, "0", aliases=("neuron0",), links=("1",), vendor="neuron"),
+            Device(KIND_NEURON, "1", aliases=("neuron1",), links=("0",), vendor="neuron"),
+        ]
+    return Inventory(devices=tuple(devices))
+
+
+@pytest.fixture
+def short_dir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="dp-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def kubelet(short_dir: str) -> Iterator[FakeKubelet]:
+    k = FakeKubelet(short_dir)
+    k.start()
+    yield k
+    k.stop()
+
+
+class RunningPlugins:
+    """DevicePlugins.run() on its own event loop thread; call() runs a coroutine there."""
+
+    def __init__(self, plugins: DevicePlugins) -> None:
+        self.plugins = plugins
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._stop = self.call(self._make_event())
+        self._run = asyncio.run_coroutine_threadsafe(plugins.run(self._stop), self.loop)
+
+    @staticmethod
+    async def _make_event() -> asyncio.Event:
+        return asyncio.Event()
+
+    def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(WAIT)
+
+    def update(self, inventory: Inventory) -> None:
+        self.call(self.plugins.update(inventory))
+
+    def stop(self) -> None:
+        """Set the stop event, wait for run() to finish, close the loop (idempotent)."""
+        if self.loop.is_closed():
+            return
+        if not self._run.done():
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._run.result(WAIT)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(WAIT)
+        self.loop.close()
+
+
+@pytest.fixture
+def plugins(short_dir: str) -> Iterator[Callable[..., RunningPlugins]]:
+    started: list[RunningPlugins] = []
+
+    def start(inventory: Inventory | None = None, config: Config = NODE_CONFIG,
+              directory: str = short_dir) -> RunningPlugins:
+        p = DevicePlugins(inventory if inventory is not None else node_inventory(), directory,
+                          config=config, poll_interval=0.05, grace=0.5)
+        running = RunningPlugins(p)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.stop()

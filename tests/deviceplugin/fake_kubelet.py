@@ -1,0 +1,170 @@
+"""A fake kubelet: stands for kubelet's device manager (pkg/kubelet/cm/devicemanager).
+
+What it does, as kubelet does (plugin/v1beta1/server.go, handler.go, client.go):
+- start(): removes every socket in the device-plugin directory, then serves the
+  Registration service on `<dir>/kubelet.sock` (a real grpcio server);
+- Register: refuses a version other than v1beta1 or a resource name without a domain,
+  then connects back to `<dir>/<endpoint>`, calls GetDevicePluginOptions and keeps a
+  ListAndWatch stream open in a thread, recording every device list it receives and
+  when the stream ends;
+- restart(): stops, deletes every socket in the directory (the plugins' too) and
+  starts again, with a new kubelet.sock.
+What it does not do: admission, allocation bookkeeping, checkpoints, calling Allocate
+(tests call the plugin with `client()`, as kubelet's Allocate path would).
+`refuse_next` makes the next registrations fail with a status, to test retries.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
+from nri_accel.deviceplugin import deviceplugin_pb2_grpc as pb2_grpc
+
+WAIT = 10.0  # seconds a wait_* helper waits before failing the test
+
+
+@dataclass
+class PluginConnection:
+    """What the fake kubelet saw of one registration."""
+
+    request: pb2.RegisterRequest
+    options: pb2.DevicePluginOptions | None = None
+    lists: list[pb2.ListAndWatchResponse] = field(default_factory=list)
+    ended: bool = False  # the ListAndWatch stream finished or failed
+    channel: grpc.Channel | None = None
+
+
+class FakeKubelet(pb2_grpc.RegistrationServicer):
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.socket = os.path.join(directory, "kubelet.sock")
+        self.connections: list[PluginConnection] = []
+        self.refuse_next: list[grpc.StatusCode] = []
+        self._server: grpc.Server | None = None
+        self._stopping = False  # set while stop() runs: late Register calls are dropped
+        self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._remove_sockets()
+        with self._cond:
+            self._stopping = False
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb2_grpc.add_RegistrationServicer_to_server(self, server)
+        server.add_insecure_port(f"unix:{self.socket}")
+        server.start()
+        self._server = server
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+        if self._server is not None:
+            self._server.stop(None).wait()
+            self._server = None
+        with self._cond:
+            conns = list(self.connections)
+        for c in conns:
+            if c.channel is not None:
+                c.channel.close()
+        for t in self._threads:
+            t.join(WAIT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def _remove_sockets(self) -> None:
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+
+    # ---- Registration service ----------------------------------------------------
+
+    def Register(self, request, context):
+        with self._cond:
+            if self.refuse_next:
+                code = self.refuse_next.pop(0)
+                context.abort(code, f"refused by the fake kubelet ({code.name})")
+        if request.version != "v1beta1":
+            context.abort(grpc.StatusCode.UNKNOWN, f"unsupported version {request.version!r}")
+        if "/" not in request.resource_name:
+            context.abort(grpc.StatusCode.UNKNOWN, f"invalid resource {request.resource_name!r}")
+        conn = PluginConnection(request=request)
+        channel = grpc.insecure_channel(f"unix:{os.path.join(self.directory, request.endpoint)}")
+        conn.channel = channel
+        stub = pb2_grpc.DevicePluginStub(channel)
+        try:
+            conn.options = stub.GetDevicePluginOptions(pb2.Empty(), timeout=WAIT)
+        except grpc.RpcError as e:
+            context.abort(grpc.StatusCode.UNKNOWN, f"cannot connect to plugin: {e.details()}")
+        stream = stub.ListAndWatch(pb2.Empty())
+        t = threading.Thread(target=self._watch, args=(conn, stream), daemon=True)
+        with self._cond:
+            if self._stopping:  # stop() has already closed the others: close this one too
+                channel.close()
+                context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet is stopping")
+            t.start()
+            self.connections.append(conn)
+            self._threads.append(t)
+            self._cond.notify_all()
+        return pb2.Empty()
+
+    def _watch(self, conn: PluginConnection, stream: Any) -> None:
+        try:
+            for response in stream:
+                with self._cond:
+                    conn.lists.append(response)
+                    self._cond.notify_all()
+        except grpc.RpcError:
+            pass
+        with self._cond:
+            conn.ended = True
+            self._cond.notify_all()
+
+    # ---- what tests look at ------------------------------------------------------
+
+    def wait_for(self, predicate: Callable[[], Any], what: str) -> Any:
+        deadline = time.monotonic() + WAIT
+        with self._cond:
+            while True:
+                value = predicate()
+                if value:
+                    return value
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"fake kubelet: timed out waiting for {what}")
+                self._cond.wait(left)
+
+    def registrations(self, resource: str) -> list[PluginConnection]:
+        with self._cond:
+            return [c for c in self.connections if c.request.resource_name == resource]
+
+    def wait_registered(self, resource: str, count: int = 1) -> PluginConnection:
+        conns = self.wait_for(lambda: len(self.registrations(resource)) >= count and
+                              self.registrations(resource), f"{resource} registration #{count}")
+        return conns[count - 1]
+
+    def wait_list(self, conn: PluginConnection,
+                  predicate: Callable[[pb2.ListAndWatchResponse], bool] = lambda r: True,
+                  what: str = "a device list") -> pb2.ListAndWatchResponse:
+        def found():
+            return next((r for r in reversed(conn.lists) if predicate(r)), None)
+
+        return self.wait_for(found, f"{conn.request.resource_name}: {what}")
+
+    def client(self, endpoint: str) -> tuple[grpc.Channel, pb2_grpc.DevicePluginStub]:
+        channel = grpc.insecure_channel(f"unix:{os.path.join(self.directory, endpoint)}")
+        return channel, pb2_grpc.DevicePluginStub(channel)

@@ -1,0 +1,239 @@
+"""Pure decisions of the device plugin: resources, device IDs, grants, preferred allocation."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import pytest
+
+from nri_accel.config import Config, DevicesConfig
+from nri_accel.deviceplugin.resources import (
+    Resource,
+    allocate,
+    extended_resource_name_error,
+    preferred_allocation,
+    resources_from_inventory,
+)
+from nri_accel.errors import AllocationError, RequestError
+from nri_accel.inventory import KIND_GPU, KIND_MIG, Device, Inventory
+from nri_accel.policy import Policy
+from nri_accel.request import ContainerInfo, parse_request
+
+from .conftest import GPU0, GPU1, GPU2, MIG_A, MIG_B, MIG_C, NODE_CONFIG, node_inventory
+
+
+def _by_name(resources: tuple[Resource, ...]) -> dict[str, Resource]:
+    return {r.name: r for r in resources}
+
+
+def test_one_resource_per_kind_and_mig_profile() -> None:
+    resources, problems = resources_from_inventory(node_inventory(), NODE_CONFIG)
+    assert [r.name for r in resources] == [
+        "acme.example/fpga", "acme.example/npu", "aws.amazon.com/neuron",
+        "nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb",
+    ]
+    assert problems == ()
+    r = _by_name(resources)
+    # GPU 1 is in MIG mode: only its MIG devices are advertised.
+    assert [d.id for d in r["nvidia.com/gpu"].devices] == [GPU0, GPU2]
+    assert [d.id for d in r["nvidia.com/mig-1g.10gb"].devices] == [MIG_A, MIG_B]
+    assert [d.id for d in r["nvidia.com/mig-2g.20gb"].devices] == [MIG_C]
+    # Devices without a UUID are known by their name.
+    assert [d.id for d in r["aws.amazon.com/neuron"].devices] == ["0", "1"]
+    assert [d.id for d in r["acme.example/npu"].devices] == ["npu0", "npu1"]
+
+
+def test_device_facts_health_numa_links_and_qualified_names() -> None:
+    r = _by_name(resources_from_inventory(node_inventory(), NODE_CONFIG)[0])
+    gpu0, gpu2 = r["nvidia.com/gpu"].devices
+    assert (gpu0.qualified_name, gpu0.healthy, gpu0.numa_node) == (
+        f"nvidia.com/gpu={GPU0}", True, 0)
+    assert (gpu2.healthy, gpu2.numa_node) == (False, 1)
+    # A MIG device without its own NUMA node takes its parent GPU's.
+    mig = r["nvidia.com/mig-1g.10gb"].devices[0]
+    assert (mig.qualified_name, mig.numa_node) == (f"nvidia.com/mig={MIG_A}", 1)
+    n0, n1 = r["aws.amazon.com/neuron"].devices
+    assert (n0.links, n1.links, n0.numa_node) == (("1",), ("0",), None)
+
+
+def test_links_are_translated_to_kubelet_ids_within_the_resource() -> None:
+    inv = Inventory(devices=(
+        Device(KIND_GPU, "0", uuid="GPU-a", links=("1", "3", "0", "9")),
+        Device(KIND_GPU, "1", uuid="GPU-b", links=("0",)),
+        Device(KIND_GPU, "3", uuid="GPU-c", links=("0",),
+               attributes=MappingProxyType({"mig_mode": "enabled"})),
+    ))
+    (gpus,), _ = resources_from_inventory(inv, Config())
+    # Self, unknown (9) and MIG-mode (3) peers are dropped.
+    assert [(d.id, d.links) for d in gpus.devices] == [("GPU-a", ("GPU-b",)),
+                                                       ("GPU-b", ("GPU-a",))]
+
+
+def test_devices_that_cannot_be_advertised_are_reported() -> None:
+    long_name = "n" * 64
+    inv = Inventory(devices=(
+        Device(KIND_MIG, "0:0", uuid="MIG-x"),  # no profile
+        Device(KIND_MIG, "0:1", uuid="MIG-y",
+               attributes=MappingProxyType({"mig_profile": "1g.10gb ?"})),
+        Device(KIND_MIG, "0:2", uuid="MIG-z",
+               attributes=MappingProxyType({"mig_profile": "1g.10gb+me"})),
+        Device("acme.example/npu", long_name),
+        Device("acme.example/npu", "ok"),
+    ))
+    resources, problems = resources_from_inventory(inv, Config())
+    assert [(r.name, [d.id for d in r.devices]) for r in resources] == [
+        ("acme.example/npu", ["ok"]), ("nvidia.com/mig-1g.10gb.me", ["MIG-z"])]
+    assert [p.source for p in problems] == [
+        "acme.example/npu=" + long_name, "nvidia.com/mig=0:0", "nvidia.com/mig=0:1"]
+    assert "longer than 63" in problems[0].message
+    assert "mig_profile" in problems[1].message
+    assert "'mig-1g.10gb ?'" in problems[2].message
+
+
+@pytest.mark.parametrize(("name", "fragment"), [
+    ("nvidia.com/gpu", ""),
+    ("nvidia.com/mig-1g.10gb", ""),
+    ("acme.example/npu_x.1", ""),
+    ("gpu", "no domain prefix"),
+    ("Acme.example/npu", "not a DNS subdomain"),
+    ("kubernetes.io/gpu", "kubernetes.io domain"),
+    ("foo.kubernetes.io/gpu", "kubernetes.io domain"),
+    ("acme.example/-npu", "1-63"),
+    ("acme.example/" + "x" * 64, "1-63"),
+    ("acme.example/", "1-63"),
+])
+def test_extended_resource_names(name: str, fragment: str) -> None:
+    err = extended_resource_name_error(name)
+    assert (fragment in err) if fragment else err == ""
+    assert bool(err) == bool(fragment)
+
+
+def test_cdi_passthrough_names_only_cdi_spec_devices() -> None:
+    on = Config(devices=DevicesConfig(cdi_passthrough=True),
+                static_devices=NODE_CONFIG.static_devices)
+    r = _by_name(resources_from_inventory(node_inventory(), on)[0])
+    assert [d.cdi_name for d in r["acme.example/npu"].devices] == [
+        "acme.example/npu=npu0", "acme.example/npu=npu1"]
+    # Static devices have no spec; NVIDIA and Neuron are nri-accel's own discoveries.
+    assert [d.cdi_name for d in r["acme.example/fpga"].devices] == [""]
+    assert {d.cdi_name for d in r["nvidia.com/gpu"].devices} == {""}
+    off = _by_name(resources_from_inventory(node_inventory(), NODE_CONFIG)[0])
+    assert {d.cdi_name for d in off["acme.example/npu"].devices} == {""}
+
+
+# ---- grants -------------------------------------------------------------------------
+
+
+def test_grant_lists_qualified_names_in_inventory_order_once() -> None:
+    r = _by_name(resources_from_inventory(node_inventory(), NODE_CONFIG)[0])
+    grant = allocate(r["nvidia.com/gpu"], [GPU2, GPU0, GPU2])
+    assert dict(grant.annotations) == {
+        "devices.nri-accel.io/resource.nvidia.com_gpu":
+            f"nvidia.com/gpu={GPU0},nvidia.com/gpu={GPU2}"}
+    assert grant.cdi_devices == ()
+    mig = allocate(r["nvidia.com/mig-1g.10gb"], [MIG_B])
+    assert dict(mig.annotations) == {
+        "devices.nri-accel.io/resource.nvidia.com_mig-1g.10gb": f"nvidia.com/mig={MIG_B}"}
+
+
+def test_grant_of_an_unknown_device_names_it_and_the_resource() -> None:
+    r = _by_name(resources_from_inventory(node_inventory(), NODE_CONFIG)[0])
+    with pytest.raises(AllocationError) as e:
+        allocate(r["nvidia.com/gpu"], [GPU0, GPU1])  # GPU1 is in MIG mode
+    assert str(e.value) == f"nvidia.com/gpu: unknown device ID {GPU1!r}"
+    with pytest.raises(AllocationError, match=r"unknown device ID 'xxxx.*\.\.\.'$"):
+        allocate(r["nvidia.com/gpu"], ["x" * 500])
+
+
+def test_allocate_grant_is_a_trusted_grant_for_the_nri_side() -> None:
+    # What kubelet copies from Allocate into the container's annotations is what
+    # request.parse_request takes as a trusted grant, even in an untrusted namespace.
+    r = _by_name(resources_from_inventory(node_inventory(), NODE_CONFIG)[0])
+    grant = allocate(r["nvidia.com/gpu"], [GPU0])
+    info = ContainerInfo(namespace="default", pod_name="p", pod_uid="u",
+                         container_name="c", container_id="id", pod_annotations={},
+                         container_annotations=dict(grant.annotations), env=())
+    req = parse_request(info, Policy.from_config(Config()))
+    assert [(c.kind, c.ids) for c in req.grants] == [(KIND_GPU, (GPU0,))]
+    assert req.grants[0].source.startswith("container annotation devices.nri-accel.io/resource.")
+    # The same key written by the pod author (copied into the container by the runtime)
+    # is not the device plugin's: refused.
+    pod = dict(grant.annotations)
+    with pytest.raises(RequestError, match=r"devices\.nri-accel\.io/resource"):
+        parse_request(
+            ContainerInfo(namespace="default", pod_name="p", pod_uid="u", container_name="c",
+                          container_id="id", pod_annotations=pod,
+                          container_annotations=dict(grant.annotations), env=()),
+            Policy.from_config(Config()))
+
+
+# ---- preferred allocation -------------------------------------------------------------
+
+# Two NUMA nodes of four GPUs. Links: 0-1 and 2-3 on node 0; 4, 5, 6, 7 all linked.
+_LINKS = {0: (1,), 1: (0,), 2: (3,), 3: (2,), 4: (5, 6, 7), 5: (4, 6, 7), 6: (4, 5, 7),
+          7: (4, 5, 6)}
+
+
+def _topology(no_numa: tuple[int, ...] = ()) -> Resource:
+    inv = Inventory(devices=tuple(
+        Device(KIND_GPU, str(i), uuid=f"GPU-{i}", numa_node=None if i in no_numa else i // 4,
+               links=tuple(str(j) for j in _LINKS[i]))
+        for i in range(8)))
+    (res,), _ = resources_from_inventory(inv, Config())
+    return res
+
+
+def _ids(*indices: int) -> list[str]:
+    return [f"GPU-{i}" for i in indices]
+
+
+@pytest.mark.parametrize(("available", "must", "size", "want"), [
+    # One NUMA node, a linked pair; equal nodes: the lower one.
+    (range(8), (), 2, (0, 1)),
+    # The must-include device's node, and its linked peer.
+    (range(8), (5,), 2, (4, 5)),
+    (range(8), (2,), 2, (2, 3)),
+    # Node 0 offers no linked pair among what is available, node 1 does.
+    ((0, 2, 4, 5), (), 2, (4, 5)),
+    # Only node 0 has room for three.
+    ((0, 1, 2, 4), (), 3, (0, 1, 2)),
+    # Both nodes have a linked pair: the smaller node, keeping the other whole.
+    ((0, 1, 4, 5, 6, 7), (), 2, (0, 1)),
+    # No node fits: a whole node, then the best of the next.
+    (range(8), (), 5, (0, 1, 2, 3, 4)),
+    ((0, 1, 4, 5, 6, 7), (), 5, (0, 4, 5, 6, 7)),
+    # Must-include on node 1 pulls the whole-node choice there.
+    (range(8), (6,), 6, (0, 1, 4, 5, 6, 7)),
+    # Everything, or more than there is: all available.
+    ((3, 1, 2), (), 3, (1, 2, 3)),
+    ((1, 2), (), 4, (1, 2)),
+    # Must-include alone fills the request.
+    (range(8), (7, 3), 2, (3, 7)),
+    (range(8), (7, 3), 1, (3, 7)),
+])
+def test_preferred_allocation(available, must, size, want) -> None:
+    got = preferred_allocation(_topology(), _ids(*available), _ids(*must), size)
+    assert got == tuple(_ids(*want))
+
+
+def test_preferred_allocation_ignores_unknown_available_ids() -> None:
+    got = preferred_allocation(_topology(), ["GPU-x", *_ids(6, 7)], [], 2)
+    assert got == tuple(_ids(6, 7))
+
+
+def test_preferred_allocation_keeps_unknown_must_include_ids() -> None:
+    got = preferred_allocation(_topology(), _ids(0, 1, 2), ["GPU-gone"], 2)
+    assert got == ("GPU-0", "GPU-gone")
+
+
+def test_devices_without_numa_node_form_their_own_group() -> None:
+    res = _topology(no_numa=(2, 3))
+    assert preferred_allocation(res, _ids(0, 2, 3), [], 2) == tuple(_ids(2, 3))
+    assert preferred_allocation(res, _ids(0, 1, 2, 3), [], 2) == tuple(_ids(0, 1))
+
+
+def test_preferred_allocation_is_deterministic() -> None:
+    res = _topology()
+    first = preferred_allocation(res, _ids(7, 6, 5, 4, 3, 2, 1, 0), [], 3)
+    assert first == preferred_allocation(res, _ids(0, 1, 2, 3, 4, 5, 6, 7), [], 3)
+    assert first == tuple(_ids(4, 5, 6))

@@ -1,0 +1,239 @@
+"""The device plugin over real unix sockets: a fake kubelet (real grpcio Registration
+server) and a real grpc client calling the plugin's sockets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+
+import grpc
+import pytest
+
+from nri_accel.config import Config, DevicesConfig
+from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
+from nri_accel.inventory import KIND_GPU, Inventory
+
+from .conftest import GPU0, GPU2, MIG_A, MIG_B, MIG_C, NODE_CONFIG, node_inventory
+from .fake_kubelet import WAIT, FakeKubelet
+
+ALL_RESOURCES = [
+    "acme.example/fpga", "acme.example/npu", "aws.amazon.com/neuron", "nvidia.com/gpu",
+    "nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb",
+]
+
+
+def _ids(response: pb2.ListAndWatchResponse) -> list[str]:
+    return [d.ID for d in response.devices]
+
+
+def _allocate(kubelet, endpoint: str, *containers: list[str]) -> pb2.AllocateResponse:
+    channel, stub = kubelet.client(endpoint)
+    with channel:
+        request = pb2.AllocateRequest(container_requests=[
+            pb2.ContainerAllocateRequest(devices_ids=ids) for ids in containers])
+        return stub.Allocate(request, timeout=WAIT)
+
+
+def test_registers_every_resource_with_its_socket_and_options(kubelet, plugins) -> None:
+    plugins()
+    for name in ALL_RESOURCES:
+        conn = kubelet.wait_registered(name)
+        assert conn.request.version == "v1beta1"
+        endpoint = conn.request.endpoint
+        assert "/" not in endpoint and endpoint.endswith(".sock")
+        assert stat.S_ISSOCK(os.lstat(os.path.join(kubelet.directory, endpoint)).st_mode)
+        assert conn.request.options.get_preferred_allocation_available
+        assert not conn.request.options.pre_start_required
+        assert conn.options == conn.request.options  # what GetDevicePluginOptions says
+    # One socket per resource.
+    assert len({kubelet.registrations(n)[0].request.endpoint for n in ALL_RESOURCES}) == 6
+
+
+def test_list_and_watch_streams_ids_health_and_topology(kubelet, plugins) -> None:
+    plugins()
+    gpus = kubelet.wait_list(kubelet.wait_registered("nvidia.com/gpu"))
+    assert [(d.ID, d.health, [n.ID for n in d.topology.nodes]) for d in gpus.devices] == [
+        (GPU0, "Healthy", [0]), (GPU2, "Unhealthy", [1])]
+    mig = kubelet.wait_list(kubelet.wait_registered("nvidia.com/mig-1g.10gb"))
+    assert [(d.ID, [n.ID for n in d.topology.nodes]) for d in mig.devices] == [
+        (MIG_A, [1]), (MIG_B, [1])]
+    neuron = kubelet.wait_list(kubelet.wait_registered("aws.amazon.com/neuron"))
+    assert [(d.ID, d.HasField("topology")) for d in neuron.devices] == [
+        ("0", False), ("1", False)]
+
+
+def test_inventory_changes_are_streamed(kubelet, plugins) -> None:
+    running = plugins()
+    gpu = kubelet.wait_registered("nvidia.com/gpu")
+    mig2 = kubelet.wait_registered("nvidia.com/mig-2g.20gb")
+    neuron = kubelet.wait_registered("aws.amazon.com/neuron")
+    kubelet.wait_list(gpu)
+    kubelet.wait_list(mig2)
+    kubelet.wait_list(neuron)
+
+    # GPU 0 turns unhealthy, the 2g.20gb MIG device and the Neuron devices go away.
+    running.update(node_inventory(gpu0_healthy=False, with_2g=False, with_neuron=False))
+    changed = kubelet.wait_list(gpu, lambda r: r.devices[0].health == "Unhealthy",
+                                "GPU 0 unhealthy")
+    assert _ids(changed) == [GPU0, GPU2]
+    # A vanished resource is emptied (kubelet drops the capacity) and its stream ends.
+    kubelet.wait_for(lambda: mig2.ended and neuron.ended, "streams of removed resources end")
+    assert _ids(mig2.lists[-1]) == [] and _ids(neuron.lists[-1]) == []
+    assert not os.path.exists(os.path.join(kubelet.directory, mig2.request.endpoint))
+
+    # It comes back: served and registered again.
+    running.update(node_inventory())
+    again = kubelet.wait_registered("nvidia.com/mig-2g.20gb", count=2)
+    assert _ids(kubelet.wait_list(again)) == [MIG_C]
+    assert _ids(kubelet.wait_list(gpu, lambda r: r.devices[0].health == "Healthy")) == [
+        GPU0, GPU2]
+
+
+def test_an_unchanged_inventory_sends_nothing(kubelet, plugins) -> None:
+    running = plugins()
+    gpu = kubelet.wait_registered("nvidia.com/gpu")
+    kubelet.wait_list(gpu)
+    running.update(node_inventory(with_neuron=False))  # GPUs unchanged
+    kubelet.wait_for(lambda: kubelet.registrations("aws.amazon.com/neuron")[0].ended,
+                     "neuron stream ends")
+    running.update(node_inventory(gpu0_healthy=False))  # GPUs changed
+    kubelet.wait_list(gpu, lambda r: r.devices[0].health == "Unhealthy")
+    assert len(gpu.lists) == 2
+
+
+def test_allocate_answers_only_the_grant_annotation(kubelet, plugins) -> None:
+    plugins()
+    conn = kubelet.wait_registered("nvidia.com/gpu")
+    response = _allocate(kubelet, conn.request.endpoint, [GPU2, GPU0], [GPU0])
+    first, second = response.container_responses
+    assert dict(first.annotations) == {
+        "devices.nri-accel.io/resource.nvidia.com_gpu":
+            f"nvidia.com/gpu={GPU0},nvidia.com/gpu={GPU2}"}
+    assert dict(second.annotations) == {
+        "devices.nri-accel.io/resource.nvidia.com_gpu": f"nvidia.com/gpu={GPU0}"}
+    for c in response.container_responses:
+        assert not c.envs and not c.mounts and not c.devices and not c.cdi_devices
+
+    mig = kubelet.wait_registered("nvidia.com/mig-1g.10gb")
+    (only,) = _allocate(kubelet, mig.request.endpoint, [MIG_B]).container_responses
+    assert dict(only.annotations) == {
+        "devices.nri-accel.io/resource.nvidia.com_mig-1g.10gb": f"nvidia.com/mig={MIG_B}"}
+
+
+def test_allocate_of_an_unknown_device_fails_naming_it(kubelet, plugins) -> None:
+    plugins()
+    conn = kubelet.wait_registered("nvidia.com/gpu")
+    with pytest.raises(grpc.RpcError) as e:
+        _allocate(kubelet, conn.request.endpoint, [GPU0], [MIG_A])
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert e.value.details() == f"nvidia.com/gpu: unknown device ID {MIG_A!r}"
+
+
+def test_cdi_passthrough_adds_cdi_device_names(kubelet, plugins) -> None:
+    config = Config(devices=DevicesConfig(cdi_passthrough=True),
+                    static_devices=NODE_CONFIG.static_devices)
+    plugins(config=config)
+    npu = kubelet.wait_registered("acme.example/npu")
+    (c,) = _allocate(kubelet, npu.request.endpoint, ["npu1"]).container_responses
+    assert [d.name for d in c.cdi_devices] == ["acme.example/npu=npu1"]
+    assert dict(c.annotations) == {
+        "devices.nri-accel.io/resource.acme.example_npu": "acme.example/npu=npu1"}
+    fpga = kubelet.wait_registered("acme.example/fpga")
+    (c,) = _allocate(kubelet, fpga.request.endpoint, ["fpga0"]).container_responses
+    assert list(c.cdi_devices) == []
+
+
+def test_preferred_allocation_and_prestart_over_grpc(kubelet, plugins) -> None:
+    plugins()
+    conn = kubelet.wait_registered("aws.amazon.com/neuron")
+    channel, stub = kubelet.client(conn.request.endpoint)
+    with channel:
+        response = stub.GetPreferredAllocation(pb2.PreferredAllocationRequest(
+            container_requests=[
+                pb2.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=["1", "0"], allocation_size=1),
+                pb2.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=["0", "1"], must_include_deviceIDs=["1"],
+                    allocation_size=2),
+            ]), timeout=WAIT)
+        assert [list(c.deviceIDs) for c in response.container_responses] == [["0"], ["0", "1"]]
+        assert stub.PreStartContainer(pb2.PreStartContainerRequest(devices_ids=["0"]),
+                                      timeout=WAIT) == pb2.PreStartContainerResponse()
+
+
+def test_kubelet_restart_reregisters_every_resource(kubelet, plugins) -> None:
+    plugins()
+    before = {n: kubelet.wait_registered(n) for n in ALL_RESOURCES}
+    kubelet.restart()  # deletes the plugins' sockets and recreates kubelet.sock
+    for name in ALL_RESOURCES:
+        after = kubelet.wait_registered(name, count=2)
+        assert after.request.endpoint == before[name].request.endpoint
+        assert kubelet.wait_list(after).devices  # the new socket serves
+    gpu = kubelet.registrations("nvidia.com/gpu")[1]
+    (c,) = _allocate(kubelet, gpu.request.endpoint, [GPU0]).container_responses
+    assert dict(c.annotations)
+
+
+def test_kubelet_restart_keeping_plugin_sockets_still_reregisters(kubelet, plugins) -> None:
+    plugins()
+    kubelet.wait_registered("nvidia.com/gpu")
+    kubelet.stop()
+    kubelet._remove_sockets = lambda: None  # this kubelet leaves plugin sockets alone
+    kubelet.start()
+    again = kubelet.wait_registered("nvidia.com/gpu", count=2)
+    assert _ids(kubelet.wait_list(again)) == [GPU0, GPU2]
+
+
+def test_refused_registration_is_retried(kubelet, plugins) -> None:
+    kubelet.refuse_next = [grpc.StatusCode.UNAVAILABLE] * 2
+    plugins(Inventory(devices=tuple(d for d in node_inventory().devices if d.kind == KIND_GPU)))
+    conn = kubelet.wait_registered("nvidia.com/gpu")
+    assert kubelet.refuse_next == []
+    assert _ids(kubelet.wait_list(conn)) == [GPU0, GPU2]
+
+
+def test_plugin_started_before_kubelet_registers_when_it_appears(short_dir, plugins) -> None:
+    plugins()
+    late = FakeKubelet(short_dir)
+    late._remove_sockets = lambda: None  # a kubelet that starts after the plugin
+    late.start()
+    try:
+        assert _ids(late.wait_list(late.wait_registered("nvidia.com/gpu"))) == [GPU0, GPU2]
+    finally:
+        late.stop()
+
+
+def test_stop_ends_streams_and_removes_sockets(kubelet, plugins) -> None:
+    running = plugins()
+    conns = [kubelet.wait_registered(n) for n in ALL_RESOURCES]
+    running.stop()
+    kubelet.wait_for(lambda: all(c.ended for c in conns), "every stream ends")
+    assert sorted(os.listdir(kubelet.directory)) == ["kubelet.sock"]
+
+
+def test_a_stale_socket_is_replaced(kubelet, plugins) -> None:
+    stale = os.path.join(kubelet.directory, "nri-accel-nvidia.com_gpu.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(stale)  # bound, never listening: what a killed plugin leaves behind
+    s.close()
+    plugins()
+    conn = kubelet.wait_registered("nvidia.com/gpu")
+    assert _ids(kubelet.wait_list(conn)) == [GPU0, GPU2]
+
+
+def test_a_resource_that_cannot_be_served_does_not_hold_back_the_others(kubelet,
+                                                                        plugins) -> None:
+    blocked = os.path.join(kubelet.directory, "nri-accel-aws.amazon.com_neuron.sock")
+    with open(blocked, "w"):
+        pass
+    running = plugins()
+    for name in ALL_RESOURCES:
+        if name != "aws.amazon.com/neuron":
+            kubelet.wait_registered(name)
+    running.call(running.plugins.tick())
+    assert kubelet.registrations("aws.amazon.com/neuron") == []
+    assert os.path.isfile(blocked)  # never removed: it is not a socket
+    os.unlink(blocked)  # the operator clears the way: served at the next retry
+    assert _ids(kubelet.wait_list(kubelet.wait_registered("aws.amazon.com/neuron"))) == [
+        "0", "1"]
