@@ -4,6 +4,9 @@ Owns: the verbs, their flags and help texts (a stable interface: see DESIGN.md).
 Imports argparse and, lazily, the module that implements each verb, so that
 `nri-accel run` starts fast and `--help` works even where a vendor library is missing.
 
+Run with no arguments by the container runtime (NRI_PLUGIN_SOCKET set: a
+pre-registered plugin), it behaves as `run`.
+
 Exit status: 0 success, 1 refused/failed (the reason on stderr), 2 usage or
 configuration error.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -135,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv and os.environ.get("NRI_PLUGIN_SOCKET"):
+        # Launched by the runtime from its plugin directory (/opt/nri/plugins/NN-name,
+        # a link to this program): no arguments, the connection inherited as a fd.
+        argv = ["run"]
     args = build_parser().parse_args(argv)
     if args.target is None:
         print(f"nri-accel {__version__}")

@@ -1,0 +1,13 @@
+"""NRI, the Node Resource Interface of containerd and CRI-O, for nri-accel.
+
+Modules, bottom up (each says what it owns and imports):
+- nri_pb2: generated from api/nri.proto (wire-compatible with NRI v0.12.0); imported
+  only by modules of this package;
+- mux: the connection multiplexer (two logical connections over one socket);
+- stub: the plugin stub (registration, Configure, Synchronize, events, reconnect,
+  pre-registered launch) that drives a plugin object's optional handlers;
+- adjust: the one builder of ContainerAdjustment, and its protobuf JSON form;
+- convert: NRI pods and containers -> the plain ContainerInfo of the pipeline;
+- simulator: the runtime side, for tests, benchmarks and the demo.
+Nothing outside this package reads or builds an NRI protobuf message itself.
+"""

@@ -1,0 +1,125 @@
+"""Builds the NRI messages nri-accel answers with: THE place a ContainerAdjustment is made.
+
+Owns: ContainerEdits (+ annotations, CDI device names) -> nri_pb2.ContainerAdjustment,
+and the protobuf JSON rendering (`explain --json`). Imports nri_accel.inventory and
+this package's nri_pb2; pure functions, no I/O.
+
+What the runtime does with an adjustment (containerd/nri pkg/adaptation and
+pkg/runtime-tools/generate, used by containerd and CRI-O alike), and so what this
+module does and does not emit:
+- A device in linux.devices gets its cgroup allow rule from the runtime itself
+  (type, major, minor, access "rw", plus "m" for block devices), so no explicit
+  LinuxDeviceCgroup rule is added here and no wildcard rule can ever appear.
+  DeviceNode.permissions cannot narrow that rule through NRI.
+- LinuxDevice carries the container path and the major/minor numbers; the node is
+  created from those, so DeviceNode.host_path has no counterpart on the wire.
+- The runtime refuses an adjustment in which two plugins, or one plugin twice, set
+  the same device path, mount destination, environment variable, annotation or CDI
+  device: every such key appears here once (first occurrence wins, as in
+  merge_edits).
+- NRI has no adjustment for additional GIDs: ContainerEdits.additional_gids is not
+  representable and is left out.
+Order is deterministic: devices by path, mounts parents-first then by destination
+(the order the runtime sorts them into), env and hooks as given, CDI names sorted;
+the stub serialises maps with sorted keys.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Mapping
+
+from google.protobuf import json_format
+
+from nri_accel.inventory import ContainerEdits, DeviceNode, Hook, Mount, merge_edits
+from nri_accel.nri import nri_pb2 as pb
+
+# CDI/OCI hook names (Hook.hook_name) -> fields of nri Hooks.
+HOOK_FIELDS = {
+    "prestart": "prestart",
+    "createRuntime": "create_runtime",
+    "createContainer": "create_container",
+    "startContainer": "start_container",
+    "poststart": "poststart",
+    "poststop": "poststop",
+}
+
+
+def build_adjustment(
+    edits: ContainerEdits,
+    annotations: Mapping[str, str] | None = None,
+    cdi_devices: Iterable[str] = (),
+) -> pb.ContainerAdjustment:
+    """The ContainerAdjustment applying `edits`, adding `annotations` and `cdi_devices`.
+
+    Raises ValueError for a hook whose name is not an OCI hook point.
+    """
+    return pb.ContainerAdjustment.FromString(_encoded_adjustment(
+        edits, tuple(sorted(annotations.items())) if annotations else (),
+        tuple(sorted(set(cdi_devices)))))
+
+
+@functools.lru_cache(maxsize=1024)
+def _encoded_adjustment(edits: ContainerEdits, annotations: tuple[tuple[str, str], ...],
+                        cdi_devices: tuple[str, ...]) -> bytes:
+    """The adjustment's wire bytes. A node hands out few distinct edits (one per device
+    set and capability set), so these are built once: decoding the cached bytes costs
+    a tenth of building the message field by field."""
+    edits = merge_edits((edits,))
+    adj = pb.ContainerAdjustment()
+    adj.annotations.update(annotations)
+    if edits.device_nodes:
+        adj.linux.devices.extend(
+            linux_device(n) for n in sorted(edits.device_nodes, key=lambda n: n.path))
+    if edits.mounts:
+        adj.mounts.extend(nri_mount(m) for m in sorted(edits.mounts, key=_mount_order))
+    if edits.env:
+        adj.env.extend(pb.KeyValue(key=k, value=v)
+                       for k, _, v in (kv.partition("=") for kv in edits.env))
+    for hook in edits.hooks:
+        field = HOOK_FIELDS.get(hook.hook_name)
+        if field is None:
+            raise ValueError(f"hook {hook.path}: unknown hook point {hook.hook_name!r} "
+                             f"(known: {', '.join(HOOK_FIELDS)})")
+        getattr(adj.hooks, field).append(nri_hook(hook))
+    adj.CDI_devices.extend(pb.CDIDevice(name=n) for n in cdi_devices)
+    return adj.SerializeToString(deterministic=True)
+
+
+def linux_device(node: DeviceNode) -> pb.LinuxDevice:
+    dev = pb.LinuxDevice(path=node.path, type=node.type, major=node.major, minor=node.minor)
+    if node.file_mode is not None:
+        dev.file_mode.value = node.file_mode
+    if node.uid is not None:
+        dev.uid.value = node.uid
+    if node.gid is not None:
+        dev.gid.value = node.gid
+    return dev
+
+
+def nri_mount(mount: Mount) -> pb.Mount:
+    return pb.Mount(destination=mount.container_path, type=mount.type, source=mount.host_path,
+                    options=mount.options)
+
+
+def nri_hook(hook: Hook) -> pb.Hook:
+    h = pb.Hook(path=hook.path, args=hook.args, env=hook.env)
+    if hook.timeout is not None:
+        h.timeout.value = hook.timeout
+    return h
+
+
+def _mount_order(m: Mount) -> tuple[int, str]:
+    path = m.container_path.rstrip("/") or "/"
+    return path.count("/"), path
+
+
+def to_dict(message: object) -> dict[str, object]:
+    """The protobuf JSON mapping (protojson field names, int64 as strings, defaults omitted)."""
+    return json_format.MessageToDict(message)  # type: ignore[arg-type]
+
+
+def to_json(message: object) -> str:
+    """to_dict() as indented JSON with sorted keys: the `explain --json` form."""
+    return json.dumps(to_dict(message), indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,211 @@
+"""The NRI connection multiplexer: two logical byte streams over one socket.
+
+Owns: the mux framing of containerd/nri pkg/net/multiplex (8-byte header: 4-byte
+big-endian connection id, 4-byte big-endian payload length, then the payload), its
+limits, the sans-IO Demux and encode(), and MuxProtocol, the asyncio protocol that
+owns one NRI socket and routes each logical connection's bytes to a consumer (a ttrpc
+Endpoint). Imports the standard library, nri_accel.log and the size constants of
+nri_accel.ttrpc.
+
+Connection 1 carries the Plugin service (the runtime calls the plugin), connection 2
+the Runtime service (the plugin calls the runtime); the same code serves both ends.
+Mux frames do not align with the ttrpc messages inside them: a large message is cut
+over several frames and one read often holds several frames, so the Demux hands out
+each connection's bytes as they arrive and the ttrpc decoder reassembles messages.
+
+Sizes. The Go peer refuses nothing on read, but its writer never sends a frame over
+PROTOCOL_MAX_PAYLOAD (a ttrpc header plus the 4 MiB message limit), so a longer
+frame is a protocol error here. Going the other way, the Go peer reads each
+logical connection through a 4096-byte buffered reader, and its mux returns ENOMEM
+when a frame does not fit the buffer it reads into: frames written to a Go peer must
+not exceed WRITE_FRAME_SIZE (4096) bytes, which encode() guarantees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Callable
+
+from nri_accel.log import get_logger
+from nri_accel.ttrpc import HEADER_SIZE as TTRPC_HEADER_SIZE
+from nri_accel.ttrpc import MAX_MESSAGE_SIZE
+
+PLUGIN_SERVICE_CONN = 1
+"""Logical connection of the Plugin service: the runtime calls, the plugin serves."""
+RUNTIME_SERVICE_CONN = 2
+"""Logical connection of the Runtime service: the plugin calls, the runtime serves."""
+
+HEADER_SIZE = 8
+PROTOCOL_MAX_PAYLOAD = TTRPC_HEADER_SIZE + MAX_MESSAGE_SIZE
+"""Longest frame payload a conforming peer sends (containerd/nri maxPayloadSize)."""
+WRITE_FRAME_SIZE = 4096
+"""Longest frame payload this side writes: the read buffer size of Go ttrpc peers."""
+
+_HEADER = struct.Struct(">II")
+
+log = get_logger(__name__)
+
+
+class MuxError(Exception):
+    """The peer broke the mux framing; the socket cannot be used any more."""
+
+
+class Demux:
+    """Sans-IO demultiplexer: feed() bytes cut anywhere, get (conn id, bytes) chunks back.
+
+    Chunks are pieces of each connection's byte stream in arrival order; consecutive
+    pieces of one connection are joined, so a read carrying many frames of one
+    message gives one chunk. Nothing is buffered but a partial 8-byte header: payload
+    bytes are handed out as soon as they arrive.
+    """
+
+    __slots__ = ("_conn", "_header", "_max", "_remaining")
+
+    def __init__(self, max_payload: int = PROTOCOL_MAX_PAYLOAD) -> None:
+        self._max = max_payload
+        self._header = b""  # bytes of a header not complete yet
+        self._conn = 0  # connection of the frame being read
+        self._remaining = 0  # its payload bytes not seen yet
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        """Consume `data`. Raises MuxError on a frame longer than the limit."""
+        out: list[tuple[int, bytes]] = []
+        parts: list[bytes] = []  # pieces of the current run of one connection
+        run_conn = -1
+        n = len(data)
+        pos = 0
+        view = memoryview(data)
+        while pos < n:
+            if self._remaining:
+                take = min(self._remaining, n - pos)
+                if self._conn != run_conn:
+                    if parts:
+                        out.append((run_conn, b"".join(parts)))
+                        parts = []
+                    run_conn = self._conn
+                parts.append(view[pos:pos + take])
+                pos += take
+                self._remaining -= take
+                continue
+            if self._header or n - pos < HEADER_SIZE:  # a header cut between reads
+                take = min(HEADER_SIZE - len(self._header), n - pos)
+                self._header += bytes(view[pos:pos + take])
+                pos += take
+                if len(self._header) < HEADER_SIZE:
+                    break
+                conn, length = _HEADER.unpack(self._header)
+                self._header = b""
+            else:
+                conn, length = _HEADER.unpack_from(view, pos)
+                pos += HEADER_SIZE
+            if length > self._max:
+                raise MuxError(
+                    f"mux frame for connection {conn} declares {length} bytes, "
+                    f"over the {self._max}-byte limit"
+                )
+            self._conn = conn
+            self._remaining = length
+        if parts:
+            out.append((run_conn, b"".join(parts)))
+        return out
+
+
+def encode(conn_id: int, data: bytes, frame_size: int = WRITE_FRAME_SIZE) -> bytes:
+    """`data` of one logical connection as mux frames of at most `frame_size` bytes."""
+    n = len(data)
+    if n <= frame_size:
+        return _HEADER.pack(conn_id, n) + data
+    view = memoryview(data)
+    pieces = []
+    for start in range(0, n, frame_size):
+        chunk = view[start:start + frame_size]
+        pieces.append(_HEADER.pack(conn_id, len(chunk)))
+        pieces.append(chunk)
+    return b"".join(pieces)
+
+
+Sink = Callable[[bytes], None]
+LostHandler = Callable[[Exception | None], None]
+
+
+class MuxProtocol(asyncio.Protocol):
+    """Owns one NRI socket: routes each logical connection to its attached consumer.
+
+    Attach consumers (normally ttrpc Endpoints: their data_received and
+    connection_lost) before the transport connects, so that nothing the peer sends
+    first is missed. Bytes for a connection nobody attached are dropped, as the Go
+    multiplexer does. A framing error closes the socket and is passed to every
+    consumer's connection_lost; `lost` resolves when the socket is gone, with the
+    error or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        frame_size: int = WRITE_FRAME_SIZE,
+        max_payload: int = PROTOCOL_MAX_PAYLOAD,
+    ) -> None:
+        self._demux = Demux(max_payload)
+        self._frame_size = frame_size
+        self._sinks: dict[int, Sink] = {}
+        self._lost_handlers: dict[int, LostHandler] = {}
+        self._transport: asyncio.Transport | None = None
+        self._error: Exception | None = None
+        self._dropped: set[int] = set()
+        self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+
+    def attach(self, conn_id: int, sink: Sink, on_lost: LostHandler) -> None:
+        """Deliver connection `conn_id`'s bytes to `sink`; call `on_lost` when the socket ends."""
+        self._sinks[conn_id] = sink
+        self._lost_handlers[conn_id] = on_lost
+
+    def sender(self, conn_id: int) -> Sink:
+        """A function writing bytes on logical connection `conn_id` (framed for the peer)."""
+
+        def send(data: bytes) -> None:
+            transport = self._transport
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError(f"NRI socket closed (connection {conn_id})")
+            transport.write(encode(conn_id, data, self._frame_size))
+
+        return send
+
+    def write_raw(self, data: bytes) -> None:
+        """Write bytes on the socket as they are, bypassing framing (fault injection)."""
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(data)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    # ---- asyncio.Protocol -------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            chunks = self._demux.feed(data)
+        except MuxError as exc:
+            log.error("mux_protocol_error", error=str(exc))
+            self._error = exc
+            chunks = []
+            if self._transport is not None:
+                self._transport.abort()
+        for conn_id, chunk in chunks:
+            sink = self._sinks.get(conn_id)
+            if sink is not None:
+                sink(chunk)
+            elif conn_id not in self._dropped:
+                self._dropped.add(conn_id)
+                log.warning("mux_unknown_connection", conn_id=conn_id)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        error = self._error or exc
+        for on_lost in self._lost_handlers.values():
+            on_lost(error)
+        if not self.lost.done():
+            self.lost.set_result(error)

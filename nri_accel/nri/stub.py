@@ -1,0 +1,617 @@
+"""The NRI plugin stub: everything between a plugin object and the runtime's socket.
+
+Owns: plugin identity (name, two-digit index), the event mask, registration,
+Configure, (split) Synchronize, dispatch of lifecycle events to the plugin's
+handlers, the runtime's settings learnt from Configure, the external-mode reconnect
+loop with bounded backoff and the pre-registered (inherited fd) mode. Imports
+asyncio, the standard library, protobuf, nri_accel.ttrpc, nri_accel.log,
+nri_accel.errors, nri_accel.config (the default socket) and this package's mux and
+nri_pb2.
+
+A plugin is any object; the stub looks for these optional methods (plain or async;
+the stub calls them on the event loop, so plain ones must be quick and do no I/O):
+
+    configure(config, runtime_name, runtime_version) -> int | None   (event mask)
+    synchronize(pods, containers) -> list[ContainerUpdate] | None
+    shutdown() -> None
+    run_pod_sandbox(pod), stop_pod_sandbox(pod), remove_pod_sandbox(pod),
+    post_update_pod_sandbox(pod), update_pod_sandbox(pod, overhead, resources)
+    create_container(pod, container)
+        -> ContainerAdjustment | (ContainerAdjustment, [ContainerUpdate]) | None
+    update_container(pod, container, resources) -> list[ContainerUpdate] | None
+    stop_container(pod, container) -> list[ContainerUpdate] | None
+    post_create_container, start_container, post_start_container,
+    post_update_container, remove_container (pod, container) -> None
+    validate_container_adjustment(request) -> None   (raise to reject)
+    state_change(event, pod, container) -> None
+
+Arguments and results are nri_pb2 messages (build them with nri.adjust and read
+them with nri.convert). The event mask sent in ConfigureResponse has a bit for each
+event handler the plugin defines; `state_change` stands in for the pure
+notifications (pod run/stop/remove/post-update, container post-create, start,
+post-start, post-update, remove) that have no handler of their own, whether they
+come as their own call or as the older StateChange call. The mask is never 0: the
+runtime reads 0 as "every event", which would make the plugin an adjustment
+validator. An exception in a handler becomes an error answer carrying its text (a
+refused container fails with that message); the stub keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import re
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from nri_accel.config import DEFAULT_SOCKET
+from nri_accel.errors import ConfigError, NriAccelError
+from nri_accel.log import get_logger
+from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxProtocol
+from nri_accel.ttrpc import CallContext, Code, Endpoint, TtrpcError
+
+PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
+RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
+NRI_VERSION = "v0.12.0"
+"""The NRI API release this stub implements, sent in RegisterPluginRequest."""
+
+ENV_PLUGIN_NAME = "NRI_PLUGIN_NAME"
+ENV_PLUGIN_IDX = "NRI_PLUGIN_IDX"
+ENV_PLUGIN_SOCKET = "NRI_PLUGIN_SOCKET"
+
+DEFAULT_REGISTRATION_TIMEOUT = 5.0  # seconds, until Configure says otherwise
+DEFAULT_REQUEST_TIMEOUT = 2.0
+BACKOFF_MIN = 0.05
+BACKOFF_MAX = 1.0  # a restarted runtime sees the plugin back within about a second
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_IDX_RE = re.compile(r"^[0-9]{2}$")
+
+log = get_logger(__name__)
+
+E = pb.Event
+VALID_EVENTS = (1 << (pb.LAST - 1)) - 1
+"""Mask of every event a plugin can subscribe to."""
+
+# Plugin method -> the event it subscribes to. Order: the Event enum's.
+_EVENT_HANDLERS: tuple[tuple[str, int], ...] = (
+    ("run_pod_sandbox", E.RUN_POD_SANDBOX),
+    ("stop_pod_sandbox", E.STOP_POD_SANDBOX),
+    ("remove_pod_sandbox", E.REMOVE_POD_SANDBOX),
+    ("create_container", E.CREATE_CONTAINER),
+    ("post_create_container", E.POST_CREATE_CONTAINER),
+    ("start_container", E.START_CONTAINER),
+    ("post_start_container", E.POST_START_CONTAINER),
+    ("update_container", E.UPDATE_CONTAINER),
+    ("post_update_container", E.POST_UPDATE_CONTAINER),
+    ("stop_container", E.STOP_CONTAINER),
+    ("remove_container", E.REMOVE_CONTAINER),
+    ("update_pod_sandbox", E.UPDATE_POD_SANDBOX),
+    ("post_update_pod_sandbox", E.POST_UPDATE_POD_SANDBOX),
+    ("validate_container_adjustment", E.VALIDATE_CONTAINER_ADJUSTMENT),
+)
+
+# Events that are pure notifications: what `state_change` may stand in for.
+NOTIFICATIONS = frozenset({
+    E.RUN_POD_SANDBOX, E.STOP_POD_SANDBOX, E.REMOVE_POD_SANDBOX, E.POST_UPDATE_POD_SANDBOX,
+    E.POST_CREATE_CONTAINER, E.START_CONTAINER, E.POST_START_CONTAINER,
+    E.POST_UPDATE_CONTAINER, E.REMOVE_CONTAINER,
+})
+
+
+def event_bit(event: int) -> int:
+    return 1 << (event - 1)
+
+
+def mask_events(mask: int) -> tuple[str, ...]:
+    """Names of the events set in `mask` (for logs)."""
+    return tuple(pb.Event.Name(e) for e in range(1, pb.LAST) if mask & event_bit(e))
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """The name and two-digit index a plugin registers with."""
+
+    name: str
+    idx: str
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.idx}-{self.name}"
+
+
+def resolve_identity(
+    name: str | None = None,
+    idx: str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    argv0: str | None = None,
+    default_name: str = "",
+    default_idx: str = "",
+) -> Identity:
+    """Name and index: from the arguments, else env NRI_PLUGIN_NAME / NRI_PLUGIN_IDX,
+    else an argv[0] of the form NN-name, else the defaults (each part on its own).
+
+    Raises ConfigError naming the source of an invalid value.
+    """
+    env = os.environ if env is None else env
+    base = os.path.basename(argv0 or "")
+    m = re.match(r"^([0-9]{2})-(.+)$", base)
+    from_argv = (m.group(2), m.group(1)) if m else (None, None)
+    chosen_name, name_src = _first(
+        (name, "--name"), (env.get(ENV_PLUGIN_NAME), ENV_PLUGIN_NAME),
+        (from_argv[0], "argv[0]"), (default_name, "nri.name"),
+    )
+    chosen_idx, idx_src = _first(
+        (idx, "--idx"), (env.get(ENV_PLUGIN_IDX), ENV_PLUGIN_IDX),
+        (from_argv[1], "argv[0]"), (default_idx, "nri.idx"),
+    )
+    if not chosen_name or not _NAME_RE.match(chosen_name):
+        raise ConfigError(f"invalid plugin name {chosen_name!r}: use letters, digits and _.+-",
+                          source=name_src)
+    if not chosen_idx or not _IDX_RE.match(chosen_idx):
+        raise ConfigError(f"invalid plugin index {chosen_idx!r}: two digits such as \"40\"",
+                          source=idx_src)
+    return Identity(chosen_name, chosen_idx)
+
+
+def _first(*candidates: tuple[str | None, str]) -> tuple[str, str]:
+    for value, source in candidates:
+        if value:
+            return value, source
+    return "", candidates[-1][1]
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    """What the runtime told the plugin in Configure."""
+
+    name: str = ""
+    version: str = ""
+    nri_version: str = ""
+    registration_timeout: float = DEFAULT_REGISTRATION_TIMEOUT  # seconds
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+
+
+class Stub:
+    """Connects a plugin object to an NRI runtime and keeps it connected.
+
+    run() serves until stop() (or SIGTERM/SIGINT when install_signal_handlers() was
+    called). External mode: connect to `socket_path`; whenever the runtime is absent
+    or goes away, retry with exponential backoff (BACKOFF_MIN .. BACKOFF_MAX) and
+    register again; never returns on its own. Pre-registered mode (`fd` given, or
+    env NRI_PLUGIN_SOCKET): use that inherited socket and return when it closes,
+    since the runtime relaunches its plugins.
+    """
+
+    def __init__(
+        self,
+        plugin: object,
+        identity: Identity,
+        *,
+        socket_path: str = DEFAULT_SOCKET,
+        fd: int | None = None,
+    ) -> None:
+        self.plugin = plugin
+        self.identity = identity
+        self.socket_path = socket_path
+        self.fd = fd
+        self.runtime = RuntimeInfo()
+        self.events = 0  # mask the runtime was sent, once configured
+        self.registrations = 0  # successful registrations so far
+        self._handlers = _find_handlers(plugin)
+        self.handled_events = _handled_mask(self._handlers)
+        if not self.handled_events:
+            raise ConfigError(
+                f"{type(plugin).__name__} defines no event handler "
+                f"({', '.join(m for m, _ in _EVENT_HANDLERS)} or state_change)",
+                source="plugin",
+            )
+        self._sync_pods: list[Any] = []
+        self._sync_containers: list[Any] = []
+        self._configured: asyncio.Future[None] | None = None
+        self._mux: MuxProtocol | None = None
+        self._runtime_ep: Endpoint | None = None
+        self._stopping: asyncio.Event | None = None
+        self.registered = asyncio.Event()  # set while registered and configured
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    def inherited_fd(cls, env: Mapping[str, str] | None = None) -> int | None:
+        """The fd of a pre-registered launch (env NRI_PLUGIN_SOCKET), else None."""
+        value = (os.environ if env is None else env).get(ENV_PLUGIN_SOCKET, "")
+        if not value:
+            return None
+        if not value.isdigit():
+            raise ConfigError(f"not a file descriptor number: {value!r}", source=ENV_PLUGIN_SOCKET)
+        return int(value)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop run() cleanly (it then returns 0)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop, sig)
+
+    def stop(self, sig: int | None = None) -> None:
+        """Close the connection and make run() return."""
+        if sig is not None:
+            log.info("signal_received", signal=signal.Signals(sig).name)
+        if self._stopping is not None:
+            self._stopping.set()
+        if self._mux is not None:
+            self._mux.close()
+
+    async def run(self) -> int:
+        """Serve until stopped (0). Pre-registered mode: until the socket closes
+        (0), or 1 if registration failed."""
+        self._stopping = asyncio.Event()
+        log.info("plugin_starting", plugin=self.identity.full_name,
+                 events=mask_events(self.handled_events),
+                 mode="pre-registered" if self.fd is not None else "external",
+                 socket=self.socket_path if self.fd is None else f"fd {self.fd}")
+        if self.fd is not None:
+            sock = socket.socket(fileno=self.fd)
+            try:
+                ok = await self._session(sock=sock)
+            except (OSError, TtrpcError, TimeoutError) as exc:
+                log.error("registration_failed", error=_describe(exc))
+                return 1
+            return 0 if ok or self._stopping.is_set() else 1
+        await self._reconnect_loop()
+        return 0
+
+    async def _reconnect_loop(self) -> None:
+        assert self._stopping is not None
+        delays = backoff_delays()
+        reported = ""
+        while not self._stopping.is_set():
+            try:
+                registered = await self._session(path=self.socket_path)
+            except (OSError, TtrpcError, TimeoutError) as exc:
+                if self._stopping.is_set():
+                    break
+                registered = False
+                why = _describe(exc)
+                if why != reported:  # one line per outage, not one per retry
+                    log.warning("runtime_unavailable", socket=self.socket_path, error=why,
+                                retry_max_s=BACKOFF_MAX)
+                    reported = why
+            if registered:
+                delays, reported = backoff_delays(), ""
+            if self._stopping.is_set():
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), next(delays))
+
+    async def _session(self, *, path: str | None = None, sock: socket.socket | None = None) -> bool:
+        """One connection: register, serve until it ends. True if it registered.
+
+        Raises OSError/TtrpcError/TimeoutError when connecting or registering fails.
+        """
+        loop = asyncio.get_running_loop()
+        mux = MuxProtocol()
+        plugin_ep = Endpoint(mux.sender(PLUGIN_SERVICE_CONN),
+                             {PLUGIN_SERVICE: self._services()}, on_close=mux.close)
+        runtime_ep = Endpoint(mux.sender(RUNTIME_SERVICE_CONN), on_close=mux.close)
+        # Serve conn 1 before registering: Configure may arrive before our call returns.
+        mux.attach(PLUGIN_SERVICE_CONN, plugin_ep.data_received, plugin_ep.connection_lost)
+        mux.attach(RUNTIME_SERVICE_CONN, runtime_ep.data_received, runtime_ep.connection_lost)
+        self._configured = loop.create_future()
+        self._sync_pods, self._sync_containers = [], []
+        if sock is not None:
+            await loop.create_unix_connection(lambda: mux, sock=sock)
+        else:
+            await loop.create_unix_connection(lambda: mux, path)
+        self._mux, self._runtime_ep = mux, runtime_ep
+        try:
+            if self._stopping is not None and self._stopping.is_set():
+                return False
+            await self._register(runtime_ep, mux)
+            self.registrations += 1
+            self.registered.set()
+            log.info("registered", plugin=self.identity.full_name, runtime=self.runtime.name,
+                     runtime_version=self.runtime.version, nri_version=self.runtime.nri_version,
+                     events=mask_events(self.events))
+            error = await mux.lost
+            if not (self._stopping is not None and self._stopping.is_set()):
+                log.warning("runtime_disconnected", plugin=self.identity.full_name,
+                            error=_describe(error) if error else None)
+            return True
+        finally:
+            self.registered.clear()
+            self._mux = self._runtime_ep = None
+            if self._configured.done() and not self._configured.cancelled():
+                self._configured.exception()  # retrieved: it was reported through the call
+            mux.close()
+
+    async def _register(self, runtime_ep: Endpoint, mux: MuxProtocol) -> None:
+        req = pb.RegisterPluginRequest(plugin_name=self.identity.name,
+                                       plugin_idx=self.identity.idx, NRI_version=NRI_VERSION)
+        timeout = self.runtime.registration_timeout  # the runtime's, once it told us
+        started = time.monotonic()
+        await runtime_ep.call(RUNTIME_SERVICE, "RegisterPlugin", req.SerializeToString(),
+                              timeout=timeout)
+        assert self._configured is not None
+        left = max(0.001, timeout - (time.monotonic() - started))
+        done, _ = await asyncio.wait((self._configured, mux.lost), timeout=left,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if self._configured in done:
+            self._configured.result()
+            return
+        if mux.lost in done:
+            raise ConnectionResetError("runtime closed the connection before Configure")
+        raise TimeoutError(f"no Configure from the runtime within {timeout:g} s of registering")
+
+    async def update_containers(
+        self, updates: Sequence[Any] = (), evictions: Sequence[Any] = ()
+    ) -> list[Any]:
+        """Ask the runtime for unsolicited updates/evictions; returns the failed updates."""
+        if self._runtime_ep is None:
+            raise TtrpcError(Code.UNAVAILABLE, "not connected to the runtime")
+        req = pb.UpdateContainersRequest(update=updates, evict=evictions)
+        raw = await self._runtime_ep.call(RUNTIME_SERVICE, "UpdateContainers",
+                                          req.SerializeToString(),
+                                          timeout=self.runtime.request_timeout)
+        return list(pb.UpdateContainersResponse.FromString(raw).failed)
+
+    # ---- the Plugin service ---------------------------------------------------------
+
+    def _services(self) -> dict[str, Callable[[CallContext, bytes], Any]]:
+        services: dict[str, Callable[[CallContext, bytes], Any]] = {
+            "Configure": self._configure,
+            "Synchronize": self._synchronize,
+            "Shutdown": self._shutdown,
+            "StateChange": self._state_change,
+            "CreateContainer": self._create_container,
+            "UpdateContainer": self._update_container,
+            "StopContainer": self._stop_container,
+            "UpdatePodSandbox": self._update_pod_sandbox,
+            "ValidateContainerAdjustment": self._validate,
+        }
+        for method, req_type, event, with_container in _NOTIFY_RPCS:
+            services[method] = self._notify_rpc(req_type, event, with_container)
+        return services
+
+    async def _configure(self, ctx: CallContext, payload: bytes) -> bytes:
+        req = _parse(pb.ConfigureRequest, payload)
+        self.runtime = RuntimeInfo(
+            name=req.runtime_name, version=req.runtime_version, nri_version=req.NRI_version,
+            registration_timeout=(req.registration_timeout / 1000
+                                  or DEFAULT_REGISTRATION_TIMEOUT),
+            request_timeout=req.request_timeout / 1000 or DEFAULT_REQUEST_TIMEOUT,
+        )
+        mask = self.handled_events
+        handler = self._handlers.get("configure")
+        try:
+            if handler is not None:
+                wanted = await _invoke(handler, req.config, req.runtime_name,
+                                       req.runtime_version)
+                if wanted:
+                    extra = wanted & ~self.handled_events
+                    if extra:
+                        raise ValueError(f"plugin subscribed to events it does not handle: "
+                                         f"{', '.join(mask_events(extra))}")
+                    mask = wanted
+        except Exception as exc:
+            error = _as_ttrpc_error(exc, "Configure")
+            self._fail_configured(error)
+            raise error from exc
+        self.events = mask
+        if self._configured is not None and not self._configured.done():
+            self._configured.set_result(None)
+        return pb.ConfigureResponse(events=mask).SerializeToString()
+
+    def _fail_configured(self, exc: TtrpcError) -> None:
+        if self._configured is not None and not self._configured.done():
+            self._configured.set_exception(exc)
+
+    async def _synchronize(self, ctx: CallContext, payload: bytes) -> bytes:
+        req = _parse(pb.SynchronizeRequest, payload)
+        handler = self._handlers.get("synchronize")
+        if handler is None:
+            return pb.SynchronizeResponse(more=req.more).SerializeToString()
+        self._sync_pods.extend(req.pods)
+        self._sync_containers.extend(req.containers)
+        if req.more:
+            log.debug("sync_chunk", pods=len(req.pods), containers=len(req.containers))
+            return pb.SynchronizeResponse(more=True).SerializeToString()
+        pods, containers = self._sync_pods, self._sync_containers
+        self._sync_pods, self._sync_containers = [], []
+        updates = await _call(handler, "Synchronize", pods, containers)
+        log.info("synchronized", pods=len(pods), containers=len(containers))
+        return pb.SynchronizeResponse(update=updates or ()).SerializeToString()
+
+    async def _shutdown(self, ctx: CallContext, payload: bytes) -> bytes:
+        log.info("runtime_shutting_down")
+        handler = self._handlers.get("shutdown")
+        if handler is not None:
+            await _call(handler, "Shutdown")
+        return b""
+
+    async def _create_container(self, ctx: CallContext, payload: bytes) -> bytes:
+        handler = self._handlers.get("create_container")
+        if handler is None:
+            return b""
+        req = _parse(pb.CreateContainerRequest, payload)
+        result = await _call(handler, "CreateContainer", req.pod, req.container)
+        if result is None:
+            return b""
+        if isinstance(result, tuple):
+            adjust, updates = result
+            resp = pb.CreateContainerResponse(adjust=adjust, update=updates or ())
+        else:
+            resp = pb.CreateContainerResponse(adjust=result)
+        return resp.SerializeToString(deterministic=True)
+
+    async def _update_container(self, ctx: CallContext, payload: bytes) -> bytes:
+        handler = self._handlers.get("update_container")
+        if handler is None:
+            return b""
+        req = _parse(pb.UpdateContainerRequest, payload)
+        updates = await _call(handler, "UpdateContainer", req.pod, req.container,
+                              req.linux_resources)
+        return pb.UpdateContainerResponse(update=updates or ()).SerializeToString()
+
+    async def _stop_container(self, ctx: CallContext, payload: bytes) -> bytes:
+        handler = self._handlers.get("stop_container")
+        if handler is None:
+            return b""
+        req = _parse(pb.StopContainerRequest, payload)
+        updates = await _call(handler, "StopContainer", req.pod, req.container)
+        return pb.StopContainerResponse(update=updates or ()).SerializeToString()
+
+    async def _update_pod_sandbox(self, ctx: CallContext, payload: bytes) -> bytes:
+        handler = self._handlers.get("update_pod_sandbox")
+        if handler is not None:
+            req = _parse(pb.UpdatePodSandboxRequest, payload)
+            await _call(handler, "UpdatePodSandbox", req.pod, req.overhead_linux_resources,
+                        req.linux_resources)
+        return b""
+
+    async def _validate(self, ctx: CallContext, payload: bytes) -> bytes:
+        handler = self._handlers.get("validate_container_adjustment")
+        if handler is None:
+            return b""
+        req = _parse(pb.ValidateContainerAdjustmentRequest, payload)
+        try:
+            await _invoke(handler, req)
+        except Exception as exc:
+            return pb.ValidateContainerAdjustmentResponse(
+                reject=True, reason=str(exc) or type(exc).__name__).SerializeToString()
+        return b""
+
+    def _notify_rpc(self, req_type: Any, event: int, with_container: bool) -> Any:
+        name = _handler_name(event)
+
+        async def serve(ctx: CallContext, payload: bytes) -> bytes:
+            req = _parse(req_type, payload)
+            args = (req.pod, req.container) if with_container else (req.pod,)
+            await self._notify(event, name, args)
+            return b""
+
+        return serve
+
+    async def _state_change(self, ctx: CallContext, payload: bytes) -> bytes:
+        evt = _parse(pb.StateChangeEvent, payload)
+        if evt.event in NOTIFICATIONS:
+            container_event = evt.event not in _POD_EVENTS
+            args = (evt.pod, evt.container) if container_event else (evt.pod,)
+            await self._notify(evt.event, _handler_name(evt.event), args)
+        else:
+            log.debug("state_change_ignored", event=evt.event)
+        return b""
+
+    async def _notify(self, event: int, name: str, args: tuple[Any, ...]) -> None:
+        handler = self._handlers.get(name)
+        if handler is not None:
+            await _call(handler, name, *args)
+            return
+        fallback = self._handlers.get("state_change")
+        if fallback is not None:
+            pod = args[0]
+            container = args[1] if len(args) > 1 else None
+            await _call(fallback, "StateChange", event, pod, container)
+
+
+_POD_EVENTS = frozenset({E.RUN_POD_SANDBOX, E.STOP_POD_SANDBOX, E.REMOVE_POD_SANDBOX,
+                         E.POST_UPDATE_POD_SANDBOX})
+
+# (method, request type, event, carries a container): the notifications' own RPCs
+_NOTIFY_RPCS = (
+    ("RunPodSandbox", pb.RunPodSandboxRequest, E.RUN_POD_SANDBOX, False),
+    ("StopPodSandbox", pb.StopPodSandboxRequest, E.STOP_POD_SANDBOX, False),
+    ("RemovePodSandbox", pb.RemovePodSandboxRequest, E.REMOVE_POD_SANDBOX, False),
+    ("PostUpdatePodSandbox", pb.PostUpdatePodSandboxRequest, E.POST_UPDATE_POD_SANDBOX, False),
+    ("PostCreateContainer", pb.PostCreateContainerRequest, E.POST_CREATE_CONTAINER, True),
+    ("StartContainer", pb.StartContainerRequest, E.START_CONTAINER, True),
+    ("PostStartContainer", pb.PostStartContainerRequest, E.POST_START_CONTAINER, True),
+    ("PostUpdateContainer", pb.PostUpdateContainerRequest, E.POST_UPDATE_CONTAINER, True),
+    ("RemoveContainer", pb.RemoveContainerRequest, E.REMOVE_CONTAINER, True),
+)
+
+
+def _parse(message_type: Any, payload: bytes) -> Any:
+    """Decode a request payload; an undecodable one is the caller's error."""
+    try:
+        return message_type.FromString(payload)
+    except DecodeError as exc:
+        raise TtrpcError(Code.INVALID_ARGUMENT,
+                         f"malformed {message_type.DESCRIPTOR.name}: {exc}") from exc
+
+
+def backoff_delays(first: float = BACKOFF_MIN, cap: float = BACKOFF_MAX) -> Iterator[float]:
+    """Waits between reconnection attempts: doubling from `first`, never above `cap`."""
+    delay = first
+    while True:
+        yield delay
+        delay = min(delay * 2, cap)
+
+
+def _handler_name(event: int) -> str:
+    for name, ev in _EVENT_HANDLERS:
+        if ev == event:
+            return name
+    raise KeyError(event)
+
+
+def _find_handlers(plugin: object) -> dict[str, Callable[..., Any]]:
+    names = [n for n, _ in _EVENT_HANDLERS] + [
+        "configure", "synchronize", "shutdown", "state_change"]
+    found = {}
+    for name in names:
+        fn = getattr(plugin, name, None)
+        if callable(fn):
+            found[name] = fn
+    return found
+
+
+def _handled_mask(handlers: Mapping[str, Any]) -> int:
+    mask = 0
+    for name, event in _EVENT_HANDLERS:
+        if name in handlers:
+            mask |= event_bit(event)
+    if "state_change" in handlers:
+        for event in NOTIFICATIONS:
+            mask |= event_bit(event)
+    return mask
+
+
+async def _invoke(fn: Callable[..., Any], *args: Any) -> Any:
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+async def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
+    """Run a plugin handler; its exception becomes a TtrpcError with its message."""
+    try:
+        return await _invoke(fn, *args)
+    except TtrpcError:
+        raise
+    except Exception as exc:
+        raise _as_ttrpc_error(exc, what) from exc
+
+
+def _as_ttrpc_error(exc: Exception, what: str) -> TtrpcError:
+    if not isinstance(exc, NriAccelError):  # a bug, not a refusal: keep the traceback
+        log.error("handler_failed", rpc=what, exc_info=exc)
+    return TtrpcError(Code.UNKNOWN, str(exc) or type(exc).__name__)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TtrpcError):
+        return f"{exc.code.name}: {exc.message}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__

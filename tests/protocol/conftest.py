@@ -1,0 +1,42 @@
+"""Fixtures and the async test runner of the NRI protocol tests.
+
+`async def` tests here run in a fresh event loop each (asyncio.run), bounded by
+ASYNC_TEST_TIMEOUT so that a protocol hang fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ASYNC_TEST_TIMEOUT = 60.0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    asyncio.run(asyncio.wait_for(pyfuncitem.obj(**args), ASYNC_TEST_TIMEOUT))
+    return True
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A fresh directory with a short path (unix socket paths are limited to 107 bytes)."""
+    directory = tempfile.mkdtemp(prefix="nri-")
+    try:
+        yield Path(directory)
+    finally:
+        shutil.rmtree(directory)
+
+
+@pytest.fixture
+def sock_path(short_dir: Path) -> str:
+    return str(short_dir / "nri.sock")

@@ -1,0 +1,58 @@
+"""NRI pods and containers -> ContainerInfo, on the real CRI-generated CreateContainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from wire import runtime_requests
+
+from nri_accel.nri import convert
+from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri.simulator import make_container, make_pod
+
+
+def _captured_create(wire_dir: Path) -> pb.CreateContainerRequest:
+    payload = next(p for _, m, p in runtime_requests(wire_dir, "containerd-2.3.4-e2e", 1)
+                   if m == "CreateContainer")
+    return pb.CreateContainerRequest.FromString(payload)
+
+
+def test_container_info_from_a_real_cri_spec(nri_wire_dir: Path) -> None:
+    req = _captured_create(nri_wire_dir)
+    info = convert.container_info(req.pod, req.container)
+    assert (info.namespace, info.pod_name, info.container_name) == ("default", "bbdev0", "c0")
+    assert info.pod_uid == "6f1c2d3e-4b5a-4c7d-8e9f-0a1b2c3d4e5f"
+    assert info.container_id == req.container.id and len(info.container_id) == 64
+    assert info.env == ("PATH=/bin", "HOSTNAME=vm")
+    assert info.pod_annotations["io.kubernetes.cri.sandbox-name"] == "bbdev0"
+    assert info.container_annotations["io.kubernetes.cri.container-name"] == "c0"
+    assert {"/proc", "/dev", "/etc/hosts", "/dev/shm"} <= info.mount_destinations
+    assert info.device_paths == frozenset()
+
+
+def test_container_info_is_plain_data_detached_from_the_message() -> None:
+    pod = make_pod({"name": "p", "annotations": {"k": "v"}})
+    ctr = make_container(pod, {"name": "c", "linux": {"devices": [{"path": "/dev/fuse"}]}})
+    info = convert.container_info(pod, ctr)
+    pod.annotations["k"] = "changed"
+    assert info.pod_annotations == {"k": "v"}
+    assert info.device_paths == frozenset({"/dev/fuse"})
+    assert info.namespace == "default"
+
+
+def test_live_containers_skip_stopped_ones() -> None:
+    pod = make_pod({"name": "p"})
+    running = make_container(pod, {"name": "a", "state": "CONTAINER_RUNNING",
+                                   "annotations": {"nri-accel.io/granted": "nvidia.com/gpu=0"}})
+    created = make_container(pod, {"name": "b", "state": "CONTAINER_CREATED"})
+    stopped = make_container(pod, {"name": "c", "state": "CONTAINER_STOPPED",
+                                   "annotations": {"nri-accel.io/granted": "nvidia.com/gpu=1"}})
+    live = dict(convert.live_containers([running, created, stopped]))
+    assert set(live) == {running.id, created.id}
+    assert live[running.id] == {"nri-accel.io/granted": "nvidia.com/gpu=0"}
+
+
+def test_make_pod_gives_stable_ids() -> None:
+    a, b = make_pod({"name": "p", "namespace": "ns"}), make_pod({"name": "p", "namespace": "ns"})
+    assert a.id == b.id and a.uid == b.uid and a.id != make_pod({"name": "q"}).id
+    assert make_container(a, {"name": "c"}).pod_sandbox_id == a.id

@@ -1,0 +1,317 @@
+"""`nri-accel run` as a subprocess against the runtime simulator over real sockets.
+
+The daemon gets a small saved inventory (four GPUs, the NVIDIA driver's control node
+and nvidia-smi) and a standalone-mode config, so pod annotations grant devices. The
+simulator plays containerd; tests drive it and read the daemon's JSON log file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+
+from nri_accel.inventory import (
+    KIND_GPU,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Driver,
+    Inventory,
+    Mount,
+)
+from nri_accel.nri import mux
+from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri.simulator import (
+    PluginConn,
+    PluginError,
+    Simulator,
+    make_container,
+    make_pod,
+)
+from nri_accel.nri.stub import PLUGIN_SERVICE
+from nri_accel.ttrpc import Code, Frame, FrameDecoder, FrameType, encode_frame, ttrpc_pb2
+
+GPUS = 4
+
+
+def _inventory() -> Inventory:
+    gpus = tuple(
+        Device(kind=KIND_GPU, name=str(i), uuid=f"GPU-{i:08d}-0000-4000-8000-000000000000",
+               vendor="nvidia",
+               edits=ContainerEdits(device_nodes=(DeviceNode(f"/dev/nvidia{i}", 195, i),)))
+        for i in range(GPUS))
+    driver = Driver("nvidia", "550.54.15", "12.4", MappingProxyType({
+        "": ContainerEdits(device_nodes=(DeviceNode("/dev/nvidiactl", 195, 255),)),
+        "utility": ContainerEdits(mounts=(Mount("/usr/bin/nvidia-smi", "/usr/bin/nvidia-smi"),)),
+        "compute": ContainerEdits(),
+    }))
+    return Inventory(devices=gpus, drivers=MappingProxyType({"nvidia": driver}))
+
+
+@pytest.fixture
+def daemon_files(short_dir: Path) -> dict[str, str]:
+    inventory = short_dir / "inventory.json"
+    inventory.write_text(_inventory().to_json())
+    config = short_dir / "config.toml"
+    config.write_text('[policy]\nmode = "standalone"\n[log]\nlevel = "debug"\n')
+    return {"inventory": str(inventory), "config": str(config),
+            "log": str(short_dir / "daemon.log"), "socket": str(short_dir / "nri.sock")}
+
+
+def run_args(files: dict[str, str], *extra: str) -> list[str]:
+    return [sys.executable, "-m", "nri_accel.cli", "run", "--inventory", files["inventory"],
+            "--config", files["config"], "--log-file", files["log"], *extra]
+
+
+def start_daemon(files: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(run_args(files, "--socket", files["socket"], *extra),
+                            stdin=subprocess.DEVNULL)
+
+
+def log_events(files: dict[str, str]) -> list[dict[str, Any]]:
+    with open(files["log"], encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    return proc.wait(timeout=10)
+
+
+def gpu_request(pod_name: str, value: str) -> tuple[pb.PodSandbox, pb.Container]:
+    pod = make_pod({"name": pod_name, "namespace": "ml",
+                    "annotations": {"devices.nri-accel.io/container.main": value}})
+    return pod, make_container(pod, {"name": "main", "env": ["PATH=/usr/bin"]})
+
+
+def running_with(sim: Simulator, pod_name: str, granted: str) -> None:
+    """A running container the plugin granted `granted` before it restarted."""
+    pod = make_pod({"name": pod_name, "namespace": "ml"})
+    ctr = make_container(pod, {"name": "main", "state": "CONTAINER_RUNNING",
+                               "annotations": {"nri-accel.io/granted": granted}})
+    sim.pods[pod.id], sim.containers[ctr.id] = pod, ctr
+
+
+async def test_daemon_registers_synchronises_thousands_and_answers(
+    daemon_files: dict[str, str],
+) -> None:
+    async with Simulator(daemon_files["socket"], configure_first=True) as sim:
+        running_with(sim, "holder-a", "nvidia.com/gpu=0")
+        running_with(sim, "holder-b", "nvidia.com/gpu=1")
+        filler = make_pod({"name": "filler", "namespace": "batch"})
+        sim.pods[filler.id] = filler
+        template = make_container(filler, {"name": "c", "state": "CONTAINER_RUNNING",
+                                           "env": [f"V{j}={'v' * 100}" for j in range(30)]})
+        for i in range(3000):
+            ctr = pb.Container()
+            ctr.CopyFrom(template)
+            ctr.id, ctr.name = f"{i:064x}", f"c{i}"
+            sim.containers[ctr.id] = ctr
+        proc = start_daemon(daemon_files)
+        try:
+            conn = await sim.wait_for_plugin("nri-accel", timeout=20)
+            assert conn.idx == "40" and sim.sync_splits >= 1
+            assert conn.events == sum(1 << (e - 1) for e in (
+                pb.CREATE_CONTAINER, pb.STOP_CONTAINER, pb.REMOVE_CONTAINER))
+
+            pod, ctr = gpu_request("trainer", "nvidia.com/gpu: 2")
+            rsp = await sim.create_container(pod, ctr)
+            paths = sorted(d.path for d in rsp.adjust.linux.devices)
+            assert paths == ["/dev/nvidia2", "/dev/nvidia3", "/dev/nvidiactl"]
+            assert rsp.adjust.annotations["nri-accel.io/granted"] == (
+                "nvidia.com/gpu=2,nvidia.com/gpu=3")
+            assert [m.destination for m in rsp.adjust.mounts] == ["/usr/bin/nvidia-smi"]
+
+            pod2, ctr2 = gpu_request("late", "nvidia.com/gpu: 1")
+            with pytest.raises(PluginError) as refused:
+                await sim.create_container(pod2, ctr2)
+            assert refused.value.message.startswith(
+                "annotation devices.nri-accel.io/container.main")
+
+            await sim.stop_container(pod, ctr)  # releases GPUs 2 and 3
+            rsp = await sim.create_container(pod2, ctr2)
+            assert rsp.adjust.annotations["nri-accel.io/granted"] == "nvidia.com/gpu=2"
+        finally:
+            assert stop(proc) == 0
+
+    events = log_events(daemon_files)
+    created = [e for e in events if e["event"] == "container_created"]
+    refused_lines = [e for e in events if e["event"] == "container_refused"]
+    assert [(e["namespace"], e["pod"], e["container"], e["devices"]) for e in created] == [
+        ("ml", "trainer", "main", ["nvidia.com/gpu=2", "nvidia.com/gpu=3"]),
+        ("ml", "late", "main", ["nvidia.com/gpu=2"])]
+    assert created[0]["capabilities"] == ["compute", "utility"]
+    assert all(isinstance(e["duration_us"], int) for e in created + refused_lines)
+    assert [(e["pod"], e["source"]) for e in refused_lines] == [
+        ("late", "annotation devices.nri-accel.io/container.main")]
+    assert any(e["event"] == "registered" for e in events)
+
+
+async def test_runtime_gone_and_back_the_daemon_registers_again(
+    daemon_files: dict[str, str],
+) -> None:
+    proc = start_daemon(daemon_files)
+    try:
+        for _ in range(2):
+            async with Simulator(daemon_files["socket"]) as sim:
+                back = time.monotonic()
+                await sim.wait_for_plugin("nri-accel", timeout=10)
+                print(f"registered {time.monotonic() - back:.3f} s after the runtime came back")
+                pod, ctr = gpu_request("p", "nvidia.com/gpu=0")
+                assert (await sim.create_container(pod, ctr)).adjust.linux.devices
+            await asyncio.sleep(0.3)  # runtime down a while: the daemon keeps retrying
+            assert proc.poll() is None
+    finally:
+        assert stop(proc, signal.SIGINT) == 0
+    assert sum(e["event"] == "registered" for e in log_events(daemon_files)) == 2
+
+
+class Tap:
+    """Sees the daemon's answers on conn 1 before the simulator's client does, so a test
+    can send raw frames and read their answers by stream id."""
+
+    def __init__(self, conn: PluginConn) -> None:
+        self.decoder = FrameDecoder()
+        self.answers: dict[int, Frame] = {}
+        self.forward = conn.client.data_received
+        conn.mux.attach(mux.PLUGIN_SERVICE_CONN, self.data_received, conn.client.connection_lost)
+        self.conn = conn
+
+    def data_received(self, data: bytes) -> None:
+        for frame in self.decoder.feed(data):
+            assert isinstance(frame, Frame)
+            self.answers[frame.stream_id] = frame
+        self.forward(data)
+
+    def send_request(self, stream_id: int, envelope: bytes, length: int | None = None) -> None:
+        frame = encode_frame(stream_id, FrameType.REQUEST, envelope,
+                             max_message_size=len(envelope))
+        if length is not None:  # claim another length in the header (oversize test)
+            frame = length.to_bytes(4, "big") + frame[4:]
+        self.conn.write_raw(mux.encode(mux.PLUGIN_SERVICE_CONN, frame))
+
+    async def answer(self, stream_id: int) -> ttrpc_pb2.Response:
+        async with asyncio.timeout(10):
+            while stream_id not in self.answers:
+                await asyncio.sleep(0.005)
+        return ttrpc_pb2.Response.FromString(self.answers[stream_id].payload)
+
+
+def envelope(method: str, payload: bytes) -> bytes:
+    return ttrpc_pb2.Request(service=PLUGIN_SERVICE, method=method, payload=payload,
+                             timeout_nano=2_000_000_000).SerializeToString()
+
+
+async def test_malformed_and_oversize_input_is_answered_and_serving_goes_on(
+    daemon_files: dict[str, str],
+) -> None:
+    proc = start_daemon(daemon_files)
+    try:
+        async with Simulator(daemon_files["socket"]) as sim:
+            conn = await sim.wait_for_plugin(timeout=10)
+            tap = Tap(conn)
+            pod, ctr = gpu_request("p", "nvidia.com/gpu=1")
+            good = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+
+            tap.send_request(101, envelope("CreateContainer", b"\x0a\xff\xff\xff"))
+            bad_nri = (await tap.answer(101)).status
+            assert bad_nri.code == Code.INVALID_ARGUMENT
+            assert "malformed CreateContainerRequest" in bad_nri.message
+
+            tap.send_request(103, b"\xff\xff\xff")  # not a ttrpc Request at all
+            assert (await tap.answer(103)).status.code == Code.INVALID_ARGUMENT
+
+            tap.send_request(105, envelope("NoSuchMethod", b""))
+            assert (await tap.answer(105)).status.code == Code.UNIMPLEMENTED
+
+            big = 5 << 20  # declared over ttrpc's 4 MiB; the payload streams past
+            tap.send_request(107, b"\0" * big, length=big)
+            assert (await tap.answer(107)).status.code == Code.RESOURCE_EXHAUSTED
+
+            tap.send_request(109, envelope("CreateContainer", good))
+            answer = await tap.answer(109)
+            assert not answer.HasField("status")
+            adjust = pb.CreateContainerResponse.FromString(answer.payload).adjust
+            assert "/dev/nvidia1" in {d.path for d in adjust.linux.devices}
+            assert sim.dropped == [] and len(sim.connections) == 1
+
+            # A mux frame longer than any peer may send: the daemon drops the socket
+            # and connects again.
+            conn.write_raw(b"\0\0\0\1\xff\xff\xff\xf0")
+            again = await sim.wait_for_plugin(after=conn, timeout=10)
+            assert (await sim.create_container(pod, ctr)).adjust.linux.devices
+            assert again is not conn
+    finally:
+        assert stop(proc) == 0
+    events = [e["event"] for e in log_events(daemon_files)]
+    assert "mux_protocol_error" in events and events.count("registered") == 2
+    refused = [e for e in events if e.startswith("ttrpc_frame_refused")]
+    assert any("RESOURCE_EXHAUSTED" in e for e in refused)  # the ttrpc layer's own line
+
+
+AS_FD_3 = (  # argv: FD PROGRAM ARGS...: exec PROGRAM with FD as its fd 3
+    "import os, sys; fd = int(sys.argv[1]); os.dup2(fd, 3); fd != 3 and os.close(fd); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+async def test_preregistered_launch_uses_fd_3_logs_to_its_file_and_exits_with_the_runtime(
+    daemon_files: dict[str, str],
+) -> None:
+    runtime_end, plugin_end = socket.socketpair()
+    bare_env = {"NRI_PLUGIN_NAME": "accel", "NRI_PLUGIN_IDX": "15", "NRI_PLUGIN_SOCKET": "3"}
+    proc = subprocess.Popen(  # the runtime passes the socket as fd 3 (Go's ExtraFiles)
+        [sys.executable, "-c", AS_FD_3, str(plugin_end.fileno()), *run_args(daemon_files)],
+        env=bare_env, pass_fds=(plugin_end.fileno(),), stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    plugin_end.close()
+    try:
+        async with Simulator(daemon_files["socket"]) as sim:
+            conn = await sim.adopt(runtime_end)
+            await asyncio.wait_for(conn.ready, 10)
+            assert (conn.name, conn.idx) == ("accel", "15")
+            pod, ctr = gpu_request("p", "nvidia.com/gpu=3")
+            rsp = await sim.create_container(pod, ctr)
+            assert "/dev/nvidia3" in {d.path for d in rsp.adjust.linux.devices}
+            conn.close()  # the runtime goes away: a launched plugin exits
+            assert await asyncio.to_thread(proc.wait, 10) == 0
+    finally:
+        stop(proc)
+    lines = log_events(daemon_files)
+    (start,) = [e for e in lines if e["event"] == "plugin_starting"]
+    assert (start["mode"], start["socket"], start["plugin"]) == ("pre-registered", "fd 3",
+                                                                  "15-accel")
+    events = [e["event"] for e in lines]
+    assert "registered" in events and "container_created" in events
+
+
+async def test_sigterm_stops_cleanly_and_closes_the_connection(
+    daemon_files: dict[str, str],
+) -> None:
+    async with Simulator(daemon_files["socket"]) as sim:
+        proc = start_daemon(daemon_files)
+        conn = await sim.wait_for_plugin(timeout=10)
+        assert stop(proc, signal.SIGTERM) == 0
+        await asyncio.wait_for(conn.mux.lost, 5)
+    events = [e["event"] for e in log_events(daemon_files)]
+    assert events[-2:] == ["signal_received", "plugin_stopped"]
+    assert "runtime_disconnected" not in events
+
+
+def test_a_bad_config_is_a_usage_error_naming_the_key(daemon_files: dict[str, str]) -> None:
+    Path(daemon_files["config"]).write_text('[nri]\nidx = "4"\n')
+    done = subprocess.run(run_args(daemon_files), capture_output=True, text=True, timeout=30,
+                          check=False)
+    assert done.returncode == 2
+    assert "nri.idx" in done.stderr

@@ -1,0 +1,139 @@
+"""AccelPlugin's handlers over a fake Engine, and where `run` sends its logs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from nri_accel import plugin as plugin_mod
+from nri_accel.errors import NriAccelError, PolicyError
+from nri_accel.inventory import KIND_GPU, ContainerEdits, Device, DeviceNode
+from nri_accel.nri.simulator import make_container, make_pod
+from nri_accel.plugin import AccelPlugin
+from nri_accel.request import ContainerInfo
+
+GPU0 = Device(kind=KIND_GPU, name="0", edits=ContainerEdits(
+    device_nodes=(DeviceNode("/dev/nvidia0", 195, 0),)))
+
+
+class FakePlan:
+    """Stands in for engine.Plan: the fields AccelPlugin reads."""
+
+    devices = (GPU0,)
+    capabilities = frozenset({"utility", "compute"})
+    edits = GPU0.edits
+    annotations = MappingProxyType({"nri-accel.io/granted": "nvidia.com/gpu=0"})
+    cdi_devices = ()
+    notes = ("env NVIDIA_VISIBLE_DEVICES=all not granted: namespace 'ml' is not trusted",)
+
+
+class FakeEngine:
+    """Stands in for nri_accel.engine.Engine: grants GPU 0 to container "main", refuses
+    "denied" with a PolicyError, fails on "buggy" like a bug would; records the rest."""
+
+    def __init__(self) -> None:
+        self.infos: list[ContainerInfo] = []
+        self.released: list[str] = []
+        self.restored: list[tuple[str, Mapping[str, str]]] = []
+
+    def plan(self, info: ContainerInfo) -> Any:
+        self.infos.append(info)
+        if info.container_name == "denied":
+            raise PolicyError("may not grant devices in namespace 'ml'",
+                              source="env NVIDIA_VISIBLE_DEVICES")
+        if info.container_name == "buggy":
+            raise ZeroDivisionError("division by zero")
+        return FakePlan()
+
+    def release(self, container_id: str) -> None:
+        self.released.append(container_id)
+
+    def restore(self, containers: Iterable[tuple[str, Mapping[str, str]]]) -> None:
+        self.restored = list(containers)
+
+
+POD = make_pod({"name": "pod0", "namespace": "ml"})
+
+
+@pytest.fixture(autouse=True)
+def log_everything() -> Iterator[None]:
+    """Whatever level an earlier test configured, these tests see info lines; the
+    configuration is restored afterwards."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+
+
+def test_create_container_plans_builds_and_logs_one_canonical_line() -> None:
+    engine = FakeEngine()
+    ctr = make_container(POD, {"name": "main", "env": ["A=1"]})
+    with capture_logs() as logs:
+        adj = AccelPlugin(engine).create_container(POD, ctr)  # type: ignore[arg-type]
+    assert [d.path for d in adj.linux.devices] == ["/dev/nvidia0"]
+    assert dict(adj.annotations) == {"nri-accel.io/granted": "nvidia.com/gpu=0"}
+    assert engine.infos[0].env == ("A=1",) and engine.infos[0].container_id == ctr.id
+    (line,) = logs
+    assert line["event"] == "container_created" and line["log_level"] == "info"
+    assert (line["namespace"], line["pod"], line["container"]) == ("ml", "pod0", "main")
+    assert line["devices"] == ["nvidia.com/gpu=0"]
+    assert line["capabilities"] == ["compute", "utility"]
+    assert line["notes"] == list(FakePlan.notes)
+    assert isinstance(line["duration_us"], int) and line["duration_us"] >= 0
+
+
+def test_a_refusal_is_logged_once_and_raised_as_it_is() -> None:
+    with capture_logs() as logs, pytest.raises(PolicyError) as info:
+        AccelPlugin(FakeEngine()).create_container(  # type: ignore[arg-type]
+            POD, make_container(POD, {"name": "denied"}))
+    assert str(info.value).startswith("env NVIDIA_VISIBLE_DEVICES: ")
+    (line,) = logs
+    assert (line["event"], line["source"]) == ("container_refused", "env NVIDIA_VISIBLE_DEVICES")
+    assert line["exc_info"] is None
+
+
+def test_a_bug_fails_the_container_with_a_readable_reason() -> None:
+    with capture_logs() as logs, pytest.raises(NriAccelError, match="internal error: division"):
+        AccelPlugin(FakeEngine()).create_container(  # type: ignore[arg-type]
+            POD, make_container(POD, {"name": "buggy"}))
+    (line,) = logs
+    assert line["event"] == "container_refused"
+    assert isinstance(line["exc_info"], ZeroDivisionError)  # the traceback is kept
+
+
+def test_stop_and_remove_release_and_synchronize_restores_live_containers() -> None:
+    engine = FakeEngine()
+    accel = AccelPlugin(engine)  # type: ignore[arg-type]
+    running = make_container(POD, {"name": "a", "state": "CONTAINER_RUNNING",
+                                   "annotations": {"nri-accel.io/granted": "nvidia.com/gpu=0"}})
+    stopped = make_container(POD, {"name": "b", "state": "CONTAINER_STOPPED"})
+    accel.synchronize([POD], [running, stopped])
+    assert engine.restored == [(running.id, {"nri-accel.io/granted": "nvidia.com/gpu=0"})]
+    accel.stop_container(POD, running)
+    accel.remove_container(POD, running)
+    assert engine.released == [running.id, running.id]
+
+
+def test_logs_go_to_stderr_or_the_given_file_or_the_preregistered_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert plugin_mod._log_destination(None, preregistered=False) is None
+    given = tmp_path / "given.log"
+    with plugin_mod._log_destination(str(given), preregistered=False) as f:  # type: ignore[union-attr]
+        assert f.name == str(given)
+    default = tmp_path / "default.log"
+    monkeypatch.setattr(plugin_mod, "DEFAULT_PREREGISTERED_LOG", str(default))
+    with plugin_mod._log_destination(None, preregistered=True) as f:  # type: ignore[union-attr]
+        assert f.name == str(default)
+    missing = tmp_path / "no" / "such" / "dir.log"
+    assert plugin_mod._log_destination(str(missing), preregistered=True) is None
+    assert f"cannot open log file {missing}" in capsys.readouterr().err

@@ -1,0 +1,342 @@
+"""The plugin stub, in-process, against the runtime simulator over a real unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from nri_accel.errors import ConfigError, RequestError
+from nri_accel.inventory import ContainerEdits, DeviceNode
+from nri_accel.nri import adjust
+from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri.simulator import PluginError, Simulator, make_container, make_pod
+from nri_accel.nri.stub import (
+    BACKOFF_MAX,
+    NOTIFICATIONS,
+    VALID_EVENTS,
+    Identity,
+    Stub,
+    backoff_delays,
+    event_bit,
+    resolve_identity,
+)
+from nri_accel.ttrpc import MAX_MESSAGE_SIZE
+
+POD = make_pod({"name": "pod0", "namespace": "ml"})
+CTR = make_container(POD, {"name": "train", "env": ["PATH=/bin"]})
+
+
+class Injector:
+    """Stands in for a device plugin: CreateContainer adds /dev/accel0 unless the pod
+    is named "refuse-me", which it refuses the way the Engine refuses a request."""
+
+    def __init__(self) -> None:
+        self.synced: list[tuple[int, int]] = []
+        self.released: list[str] = []
+
+    def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
+        self.synced.append((len(pods), len(containers)))
+
+    def create_container(self, pod: Any, container: Any) -> Any:
+        if pod.name == "refuse-me":
+            raise RequestError("unknown device \"acme.example/npu=9\"",
+                               source="annotation devices.nri-accel.io/pod")
+        return adjust.build_adjustment(
+            ContainerEdits(device_nodes=(DeviceNode("/dev/accel0", 240, 0),)),
+            {"granted": container.name})
+
+    def stop_container(self, pod: Any, container: Any) -> None:
+        self.released.append(container.name)
+
+
+@contextlib.asynccontextmanager
+async def serving(plugin: object, sock_path: str, **sim_options: Any
+                  ) -> AsyncIterator[tuple[Simulator, Stub]]:
+    """A simulator on `sock_path` and an external-mode stub connected to it."""
+    async with Simulator(sock_path, **sim_options) as sim:
+        stub = Stub(plugin, Identity("injector", "30"), socket_path=sock_path)
+        task = asyncio.get_running_loop().create_task(stub.run())
+        try:
+            yield sim, stub
+        finally:
+            stub.stop()
+            assert await asyncio.wait_for(task, 10) == 0
+
+
+# ---- identity and event mask (no socket) -------------------------------------------
+
+def test_identity_precedence_flags_env_argv0_defaults() -> None:
+    env = {"NRI_PLUGIN_NAME": "from-env", "NRI_PLUGIN_IDX": "20"}
+    assert resolve_identity("flag", "05", env=env, argv0="/x/10-argv") == Identity("flag", "05")
+    assert resolve_identity(env=env, argv0="/x/10-argv") == Identity("from-env", "20")
+    assert resolve_identity(env={}, argv0="/opt/nri/plugins/10-argv") == Identity("argv", "10")
+    assert resolve_identity(env={}, argv0="nri-accel", default_name="nri-accel",
+                            default_idx="40") == Identity("nri-accel", "40")
+    assert resolve_identity(idx="07", env={}, argv0="/x/10-argv") == Identity("argv", "07")
+
+
+@pytest.mark.parametrize("kwargs, source", [
+    ({"name": "bad name", "idx": "10"}, "--name"),
+    ({"name": "ok", "idx": "100"}, "--idx"),
+    ({"env": {"NRI_PLUGIN_NAME": "x", "NRI_PLUGIN_IDX": "a1"}}, "NRI_PLUGIN_IDX"),
+    ({"env": {}}, "nri.name"),
+])
+def test_invalid_identity_names_its_source(kwargs: dict[str, Any], source: str) -> None:
+    kwargs.setdefault("env", {})
+    with pytest.raises(ConfigError) as info:
+        resolve_identity(argv0="nri-accel", **kwargs)
+    assert info.value.source == source
+
+
+def test_event_mask_follows_the_handlers_and_is_never_zero() -> None:
+    assert Stub(Injector(), Identity("i", "30")).handled_events == (
+        event_bit(pb.CREATE_CONTAINER) | event_bit(pb.STOP_CONTAINER))
+
+    class Watcher:
+        """A plugin that only watches pod and container notifications."""
+
+        def state_change(self, event: int, pod: Any, container: Any) -> None: ...
+
+    mask = Stub(Watcher(), Identity("w", "30")).handled_events
+    assert mask == sum(event_bit(e) for e in NOTIFICATIONS)
+    assert not mask & event_bit(pb.CREATE_CONTAINER)
+
+    class Nothing:
+        """A plugin with no event handler at all (a programming error)."""
+
+        def synchronize(self, pods: Any, containers: Any) -> None: ...
+
+    with pytest.raises(ConfigError, match="no event handler"):
+        Stub(Nothing(), Identity("n", "30"))
+
+
+def test_reconnect_backoff_doubles_and_stays_within_a_second() -> None:
+    delays = list(itertools.islice(backoff_delays(), 12))
+    assert delays[:3] == [0.05, 0.1, 0.2]
+    assert max(delays) == BACKOFF_MAX <= 1.0 and delays[-1] == BACKOFF_MAX
+
+
+def test_inherited_fd_comes_from_the_environment() -> None:
+    assert Stub.inherited_fd({}) is None
+    assert Stub.inherited_fd({"NRI_PLUGIN_SOCKET": "3"}) == 3
+    with pytest.raises(ConfigError, match="NRI_PLUGIN_SOCKET"):
+        Stub.inherited_fd({"NRI_PLUGIN_SOCKET": "three"})
+
+
+# ---- against the simulator -------------------------------------------------------------
+
+async def test_registers_configures_and_answers_create_container(sock_path: str) -> None:
+    plugin = Injector()
+    async with serving(plugin, sock_path, runtime_name="containerd",
+                       runtime_version="v2.3.4") as (sim, stub):
+        conn = await sim.wait_for_plugin("injector")
+        assert (conn.idx, conn.nri_version) == ("30", "v0.12.0")
+        assert conn.events == stub.handled_events != 0
+        assert (stub.runtime.name, stub.runtime.version) == ("containerd", "v2.3.4")
+        assert (stub.runtime.request_timeout, stub.runtime.registration_timeout) == (2.0, 5.0)
+        assert plugin.synced == [(0, 0)]
+        rsp = await sim.create_container(POD, CTR)
+        assert [d.path for d in rsp.adjust.linux.devices] == ["/dev/accel0"]
+        assert dict(rsp.adjust.annotations) == {"granted": "train"}
+        await sim.stop_container(POD, CTR)
+        assert plugin.released == ["train"]
+
+
+async def test_configure_may_arrive_before_the_register_answer(sock_path: str) -> None:
+    async with serving(Injector(), sock_path, configure_first=True) as (sim, stub):
+        await sim.wait_for_plugin()
+        await asyncio.wait_for(stub.registered.wait(), 5)
+        assert (await sim.create_container(POD, CTR)).adjust.linux.devices
+
+
+async def test_a_refusal_fails_that_container_with_its_message_and_serving_goes_on(
+    sock_path: str,
+) -> None:
+    async with serving(Injector(), sock_path) as (sim, _):
+        await sim.wait_for_plugin()
+        refused = make_pod({"name": "refuse-me"})
+        with pytest.raises(PluginError) as info:
+            await sim.create_container(refused, make_container(refused, {"name": "c"}))
+        assert info.value.message == ("annotation devices.nri-accel.io/pod: "
+                                      "unknown device \"acme.example/npu=9\"")
+        assert (await sim.create_container(POD, CTR)).adjust.linux.devices
+        assert sim.dropped == []
+
+
+async def test_a_bug_in_a_handler_is_an_error_answer_not_a_crash(sock_path: str) -> None:
+    class Buggy:
+        """A plugin whose CreateContainer has a bug (KeyError)."""
+
+        def create_container(self, pod: Any, container: Any) -> Any:
+            return {}["missing"]
+
+    async with serving(Buggy(), sock_path) as (sim, stub):
+        await sim.wait_for_plugin()
+        for _ in range(2):
+            with pytest.raises(PluginError, match="'missing'"):
+                await sim.create_container(POD, CTR)
+        assert stub.registrations == 1
+
+
+async def test_state_change_stands_in_for_notifications_old_and_new(sock_path: str) -> None:
+    seen: list[tuple[int, str, str]] = []
+
+    class Watcher:
+        """A plugin that watches notifications and takes part in creation."""
+
+        def state_change(self, event: int, pod: Any, container: Any) -> None:
+            seen.append((event, pod.name, container.name if container else ""))
+
+        def create_container(self, pod: Any, container: Any) -> None:
+            return None
+
+    async with serving(Watcher(), sock_path) as (sim, _):
+        await sim.wait_for_plugin()
+        await sim.run_pod_sandbox(POD)
+        assert (await sim.create_container(POD, CTR)) == pb.CreateContainerResponse()
+        await sim.start_container(POD, CTR)
+        await sim.state_change(pb.POST_START_CONTAINER, POD, CTR)
+        await sim.state_change(pb.REMOVE_POD_SANDBOX, POD)
+    assert seen == [(pb.RUN_POD_SANDBOX, "pod0", ""), (pb.START_CONTAINER, "pod0", "train"),
+                    (pb.POST_START_CONTAINER, "pod0", "train"),
+                    (pb.REMOVE_POD_SANDBOX, "pod0", "")]
+
+
+async def test_configure_may_narrow_the_subscription_but_not_widen_it(sock_path: str) -> None:
+    class Narrow(Injector):
+        """A plugin that subscribes to fewer events than it handles."""
+
+        def configure(self, config: str, runtime: str, version: str) -> int:
+            return event_bit(pb.CREATE_CONTAINER)
+
+    async with serving(Narrow(), sock_path) as (sim, _):
+        conn = await sim.wait_for_plugin()
+        assert conn.events == event_bit(pb.CREATE_CONTAINER)
+
+    class Greedy(Injector):
+        """A plugin that asks for events it has no handler for."""
+
+        def configure(self, config: str, runtime: str, version: str) -> int:
+            return VALID_EVENTS
+
+    async with serving(Greedy(), sock_path) as (sim, stub):
+        await sim.wait_for(lambda s: bool(s.dropped), 5)
+        assert "does not handle" in sim.dropped[0][1]
+        assert not stub.registered.is_set()
+
+
+def _big_state(sim: Simulator, containers: int) -> None:
+    """One pod and `containers` running containers of ~4 KiB each, as CRI's are."""
+    pod = make_pod({"name": "sync", "annotations": {"filler": "x" * 1000}})
+    sim.pods[pod.id] = pod
+    template = make_container(pod, {"name": "c", "state": "CONTAINER_RUNNING",
+                                    "env": [f"VAR{j}=value-{j}-{'y' * 80}" for j in range(40)]})
+    for i in range(containers):
+        ctr = pb.Container()
+        ctr.CopyFrom(template)
+        ctr.id, ctr.name = f"{i:064x}", f"c{i}"
+        sim.containers[ctr.id] = ctr
+
+
+async def test_split_synchronisation_is_collected_and_delivered_once(sock_path: str) -> None:
+    plugin = Injector()
+    async with Simulator(sock_path) as sim:
+        _big_state(sim, 1500)
+        size = pb.SynchronizeRequest(pods=sim.pods.values(),
+                                     containers=sim.containers.values()).ByteSize()
+        assert size > MAX_MESSAGE_SIZE
+        stub = Stub(plugin, Identity("injector", "30"), socket_path=sock_path)
+        task = asyncio.get_running_loop().create_task(stub.run())
+        await sim.wait_for_plugin()
+        stub.stop()
+        await task
+    assert sim.sync_splits >= 1
+    assert plugin.synced[-1] == (1, 1500)
+
+
+async def test_a_plugin_without_synchronize_still_passes_split_synchronisation(
+    sock_path: str,
+) -> None:
+    class CreateOnly:
+        """A plugin with no synchronize handler."""
+
+        def create_container(self, pod: Any, container: Any) -> None:
+            return None
+
+    async with Simulator(sock_path) as sim:
+        _big_state(sim, 1500)
+        stub = Stub(CreateOnly(), Identity("create-only", "30"), socket_path=sock_path)
+        task = asyncio.get_running_loop().create_task(stub.run())
+        await sim.wait_for_plugin()
+        assert sim.sync_splits >= 1 and sim.dropped == []
+        stub.stop()
+        await task
+
+
+async def test_runtime_restart_means_reconnect_and_register_again(sock_path: str) -> None:
+    plugin = Injector()
+    stub = Stub(plugin, Identity("injector", "30"), socket_path=sock_path)
+    task = asyncio.get_running_loop().create_task(stub.run())  # runtime not there yet
+    await asyncio.sleep(0.2)
+    for round_ in range(2):
+        async with Simulator(sock_path) as sim:
+            await sim.wait_for_plugin(timeout=5)
+            assert (await sim.create_container(POD, CTR)).adjust.linux.devices
+        assert stub.registrations == round_ + 1
+    stub.stop()
+    assert await asyncio.wait_for(task, 5) == 0
+    assert plugin.synced == [(0, 0), (0, 0)]
+
+
+async def test_a_handler_too_slow_for_the_runtime_gets_dropped_and_comes_back(
+    sock_path: str,
+) -> None:
+    class Slow(Injector):
+        """A plugin whose first CreateContainer outlasts the runtime's timeout."""
+
+        slow = True
+
+        async def create_container(self, pod: Any, container: Any) -> Any:
+            if self.slow:
+                self.slow = False
+                await asyncio.sleep(5)
+            return super().create_container(pod, container)
+
+    async with serving(Slow(), sock_path, request_timeout=0.3) as (sim, stub):
+        first = await sim.wait_for_plugin()
+        assert (await sim.create_container(POD, CTR)) == pb.CreateContainerResponse()
+        assert "CreateContainer" in sim.dropped[0][1]  # dropped; the event went on without it
+        again = await sim.wait_for_plugin(after=first, timeout=5)
+        assert again is not first and stub.registrations == 2
+        assert (await sim.create_container(POD, CTR)).adjust.linux.devices
+
+
+async def test_update_containers_reaches_the_runtime(sock_path: str) -> None:
+    async with serving(Injector(), sock_path) as (sim, stub):
+        await sim.wait_for_plugin()
+        update = pb.ContainerUpdate(container_id="abc")
+        update.linux.resources.cpu.shares.value = 512
+        assert await stub.update_containers([update]) == []
+        ((plugin, request),) = sim.update_requests
+        assert plugin == "30-injector" and request.update[0] == update
+
+
+async def test_shutdown_reaches_the_plugin(sock_path: str) -> None:
+    class Graceful(Injector):
+        """A plugin that wants to hear about the runtime shutting down."""
+
+        down = False
+
+        def shutdown(self) -> None:
+            self.down = True
+
+    plugin = Graceful()
+    async with serving(plugin, sock_path) as (sim, _):
+        await sim.wait_for_plugin()
+        await sim.shutdown()
+    assert plugin.down
