@@ -1,0 +1,136 @@
+"""`nri-accel demo`: the real daemon, a simulated runtime, a built-in node and pods.
+
+Owns: the demo run and its printout. Imports explain (Pod manifests), nri.simulator
+(the runtime side of NRI), nri.adjust (JSON rendering), log and the standard library.
+
+The daemon is started exactly as an operator would (`nri-accel run --socket ...`) as a
+subprocess, against the built-in inventory (inventory.json: an 8-GPU A100 node with one
+GPU in MIG mode) and configuration (config.toml: Kubernetes policy, one trusted
+namespace). The simulator plays containerd: it accepts the registration, configures
+and synchronises the plugin, then sends CreateContainer for every container of
+pods.yaml over the real unix socket, and prints what each container got back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+INVENTORY = HERE / "inventory.json"
+CONFIG = HERE / "config.toml"
+PODS = HERE / "pods.yaml"
+
+
+def main_demo(args: argparse.Namespace) -> int:
+    from nri_accel import log
+
+    log.configure(level="warning", fmt="console")
+    with tempfile.TemporaryDirectory(prefix="nri-accel-demo-") as tmp:
+        return asyncio.run(_demo(Path(tmp), as_json=args.json))
+
+
+async def _demo(tmp: Path, *, as_json: bool) -> int:
+    from nri_accel.explain import pod_containers, read_manifests
+    from nri_accel.inventory import Inventory
+    from nri_accel.nri.simulator import PluginError, Simulator, make_container, make_pod
+
+    inventory = Inventory.load(INVENTORY)
+    kinds = frozenset(inventory.kinds())
+    containers = [c for m in read_manifests(str(PODS))
+                  for c in pod_containers(m, str(PODS), kinds)]
+    socket_path = str(tmp / "nri.sock")
+    log_path = tmp / "daemon.log"
+    _header(inventory)
+    async with Simulator(socket_path, runtime_name="nri-accel-demo") as sim:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "nri_accel.cli", "run", "--socket", socket_path,
+             "--inventory", str(INVENTORY), "--config", str(CONFIG),
+             "--log-file", str(log_path)],
+            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            plugin = await sim.wait_for_plugin(timeout=10.0)
+            print(f"daemon registered as {plugin.full_name} (pid {daemon.pid}), "
+                  f"socket {socket_path}\n")
+            for c in containers:
+                info = c.info
+                pod = make_pod({"name": info.pod_name, "namespace": info.namespace,
+                                "uid": info.pod_uid, "annotations": dict(info.pod_annotations)})
+                ctr = make_container(pod, {"name": info.container_name, "env": list(info.env),
+                                           "annotations": dict(info.container_annotations)})
+                title = f"{info.namespace}/{info.pod_name}/{info.container_name}"
+                try:
+                    rsp = await sim.create_container(pod, ctr)
+                except PluginError as e:
+                    print(f"{title}\n  REFUSED  {e.message}\n")
+                    continue
+                if as_json:
+                    from nri_accel.nri.adjust import to_json
+
+                    print(f"{title}\n{to_json(rsp.adjust)}")
+                else:
+                    print(_render(title, rsp.adjust))
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=10)
+    _print_log(log_path)
+    return 0
+
+
+def _header(inventory: Any) -> None:
+    nvidia = inventory.driver("nvidia")
+    kinds: dict[str, int] = {}
+    for d in inventory.devices:
+        kinds[d.kind] = kinds.get(d.kind, 0) + 1
+    print("demo node: " + ", ".join(f"{n} x {k}" for k, n in kinds.items())
+          + (f"; NVIDIA driver {nvidia.version}, CUDA {nvidia.cuda_version}" if nvidia else ""))
+    print(f"inventory {INVENTORY}\nconfig    {CONFIG}\npods      {PODS}\n")
+
+
+def _render(title: str, adj: Any) -> str:
+    devices = [d.path for d in adj.linux.devices]
+    env = [f"{e.key}={e.value}" for e in adj.env]
+    lines = [title]
+    if not devices and not adj.mounts and not env:
+        lines.append("  no devices")
+        return "\n".join(lines) + "\n"
+    lines.append(f"  devices  {' '.join(devices)}")
+    libs = sorted(os.path.basename(m.destination) for m in adj.mounts)
+    shown = ", ".join(libs[:6]) + (f", ... ({len(libs)} in all)" if len(libs) > 6 else "")
+    lines.append(f"  mounts   {shown}")
+    lines.extend(f"  env      {kv}" for kv in env)
+    lines.extend(f"  annot.   {k}={v}" for k, v in sorted(adj.annotations.items()))
+    return "\n".join(lines) + "\n"
+
+
+def _print_log(path: Path) -> None:
+    """The daemon's canonical per-container log lines, as an operator sees them."""
+    print("daemon log (one line per CreateContainer):")
+    try:
+        text = path.read_text()
+    except OSError:
+        print("  (no log written)")
+        return
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("event") not in ("container_created", "container_refused"):
+            continue
+        who = f"{rec.get('namespace')}/{rec.get('pod')}/{rec.get('container')}"
+        if rec["event"] == "container_created":
+            what = ",".join(rec.get("devices") or []) or "-"
+            notes = "; ".join(rec.get("notes") or [])
+            print(f"  created  {who:<36} {what}  {rec.get('duration_us')} us"
+                  + (f"  [{notes}]" if notes else ""))
+        else:
+            print(f"  refused  {who:<36} {rec.get('error')}  {rec.get('duration_us')} us")
