@@ -1,8 +1,9 @@
 """The nri-accel NRI plugin: the handlers that wire the runtime to the Engine, and `run`.
 
 Owns: AccelPlugin (Synchronize -> Engine.restore, CreateContainer -> Engine.plan ->
-adjustment, StopContainer/RemoveContainer -> Engine.release; the one canonical log
-line per CreateContainer) and main_run (the `nri-accel run` daemon: configuration,
+adjustment, StopContainer/RemoveContainer -> Engine.release, Configure -> a warning
+when the runtime hands over a plugin configuration; the one canonical log line per
+CreateContainer) and main_run (the `nri-accel run` daemon: configuration,
 logging, inventory, refresh, the stub). Imports nri_accel.config, errors, inventory,
 log, engine and nri (stub, adjust, convert); nri_accel.discover only when it
 discovers, so `run --inventory FILE` does not load the discoverers.
@@ -23,7 +24,7 @@ import time
 from typing import IO, Any
 
 from nri_accel import log as logging_setup
-from nri_accel.config import Config, load_config
+from nri_accel.config import DEFAULT_CONFIG_PATH, Config, load_config
 from nri_accel.engine import Engine
 from nri_accel.errors import NriAccelError
 from nri_accel.inventory import Inventory
@@ -37,10 +38,25 @@ log = logging_setup.get_logger(__name__)
 
 class AccelPlugin:
     """NRI handlers over an Engine. Subscribes to CreateContainer, StopContainer and
-    RemoveContainer (and synchronises); every handler is pure computation."""
+    RemoveContainer (and synchronises); every handler is pure computation. These three
+    events exist in every NRI v2 runtime (containerd 1.7+, CRI-O 1.26+), which matters:
+    a runtime refuses a subscription to an event it does not know, and the NRI of
+    containerd 1.7 (v0.3-v0.6) knows only events 1-11 (up to REMOVE_CONTAINER)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+
+    def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
+        """Configure carries the runtime's plugin configuration: for a plugin it launches,
+        the text of its drop-in (plugin_config_path, /etc/nri/conf.d/NN-name.conf or
+        name.conf). It arrives after discovery and the Engine were built from --config,
+        so nri-accel does not apply it; it says so instead of dropping it silently.
+        Returns None: the subscription follows the handlers."""
+        if config.strip():
+            log.warning("runtime_plugin_config_ignored", runtime=runtime_name,
+                        runtime_version=runtime_version, size=len(config),
+                        reason="nri-accel reads its settings from --config "
+                               f"(default {DEFAULT_CONFIG_PATH}), not from the runtime")
 
     def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
         self.engine.restore(convert.live_containers(containers))

@@ -12,7 +12,8 @@ that works against it works against the real runtime:
 - Configure goes out on conn 1 right after RegisterPlugin is accepted (or, with
   configure_first=True, before the RegisterPlugin answer, which a plugin must also
   survive); an event mask of 0 subscribes the plugin to everything; bits outside
-  the valid events refuse it;
+  the valid events refuse it (known_events=LEGACY_EVENTS plays containerd 1.7,
+  whose NRI v0.3-v0.6 knows events 1-11 only);
 - Synchronize sends every known pod and container; a request over the 4 MiB ttrpc
   limit is retried in chunks marked `more`, scaled by the runtime's factor, and a
   plugin that does not echo `more` (or asks for updates mid-way) is dropped;
@@ -53,6 +54,8 @@ from nri_accel.nri.stub import (
 from nri_accel.ttrpc import MAX_MESSAGE_SIZE, CallContext, Code, Endpoint, TtrpcError
 
 NAMESPACE_METADATA = (("containerd-namespace-ttrpc", "k8s.io"),)
+LEGACY_EVENTS = event_bit(pb.REMOVE_CONTAINER + 1) - 1
+"""Events containerd 1.7's NRI (v0.3-v0.6, Event LAST = 12) knows: 1 to 11."""
 MIN_OBJECTS_PER_SYNC = 8
 
 log = get_logger(__name__)
@@ -170,9 +173,10 @@ class PluginConn:
             registration_timeout=round(sim.registration_timeout * 1000),
             request_timeout=round(sim.request_timeout * 1000))
         rsp = await self.call("Configure", req, pb.ConfigureResponse, metadata=())
-        events = rsp.events or VALID_EVENTS
-        if events & ~VALID_EVENTS:
-            raise SimulatorError(f"invalid plugin events: 0x{events & ~VALID_EVENTS:x}")
+        known = sim.known_events
+        events = rsp.events or known
+        if events & ~known:
+            raise SimulatorError(f"invalid plugin events: 0x{events & ~known:x}")
         self.events = events
         log.info("plugin_configured", plugin=self.full_name, events=mask_events(events))
 
@@ -243,6 +247,7 @@ class Simulator:
         request_timeout: float = 2.0,
         configure_first: bool = False,
         plugin_config: str = "",
+        known_events: int = VALID_EVENTS,
     ) -> None:
         self.socket_path = socket_path
         self.runtime_name = runtime_name
@@ -252,6 +257,7 @@ class Simulator:
         self.request_timeout = request_timeout
         self.configure_first = configure_first
         self.plugin_config = plugin_config
+        self.known_events = known_events
         self.pods: dict[str, pb.PodSandbox] = {}
         self.containers: dict[str, pb.Container] = {}
         self.connections: list[PluginConn] = []
@@ -380,7 +386,7 @@ class Simulator:
         self.pods.setdefault(pod.id, pod)
         req = pb.CreateContainerRequest(pod=pod, container=container)
         merged = pb.CreateContainerResponse()
-        owners: dict[tuple[str, str], str] = {}
+        owners: dict[tuple[int, str], str] = {}
         consulted = []
         for conn, rsp in await self._broadcast(pb.CREATE_CONTAINER, "CreateContainer", req,
                                                pb.CreateContainerResponse):
@@ -447,7 +453,10 @@ class Simulator:
         await self._broadcast(event, "StateChange", evt, pb.Empty)
 
     async def shutdown(self) -> None:
-        """Tell every plugin the runtime is going down (no subscription needed)."""
+        """Call Shutdown on every plugin (no subscription needed). The Plugin service
+        defines it, but containerd's pkg/adaptation never sends it: on Stop it closes
+        its listener and SIGKILLs the plugins it launched, so a plugin must not rely
+        on hearing it."""
         for conn in self.plugins:
             with contextlib.suppress(TtrpcError):
                 await conn.call("Shutdown", pb.Empty(), pb.Empty)
@@ -472,26 +481,28 @@ class Simulator:
         return results
 
 
+# Field (the api.proto enum name the runtime prints) -> the keys an adjustment claims.
 _CONFLICT_KINDS = (
-    ("device", lambda a: (d.path for d in a.linux.devices)),
-    ("mount", lambda a: (m.destination for m in a.mounts)),
-    ("env", lambda a: (e.key for e in a.env)),
-    ("annotation", lambda a: a.annotations.keys()),
-    ("CDI device", lambda a: (d.name for d in a.CDI_devices)),
+    (pb.Annotations, lambda a: a.annotations.keys()),
+    (pb.Mounts, lambda a: (m.destination for m in a.mounts)),
+    (pb.Env, lambda a: (e.key for e in a.env)),
+    (pb.Devices, lambda a: (d.path for d in a.linux.devices)),
+    (pb.CdiDevices, lambda a: (d.name for d in a.CDI_devices)),
 )
 
 
-def _claim(owners: dict[tuple[str, str], str], adjust: pb.ContainerAdjustment,
+def _claim(owners: dict[tuple[int, str], str], adjust: pb.ContainerAdjustment,
            plugin: str) -> None:
     """Record `plugin` as owner of each key it adjusts; any second claim is a conflict,
-    even by the same plugin (as in the runtime)."""
-    for kind, keys in _CONFLICT_KINDS:
+    even by the same plugin. The message is the runtime's (api.FieldOwners.Conflict):
+    the new claimant first, then the owner, then the Field name and the key."""
+    for field, keys in _CONFLICT_KINDS:
         for key in keys(adjust):
-            other = owners.get((kind, key))
+            other = owners.get((field, key))
             if other is not None:
-                raise SimulatorError(
-                    f"plugins {other!r} and {plugin!r} both tried to set {kind} {key!r}")
-            owners[(kind, key)] = plugin
+                raise SimulatorError(f'plugins "{plugin}" and "{other}" both tried to set '
+                                     f"{pb.Field.Name(field)} {key}")
+            owners[(field, key)] = plugin
 
 
 # ---- building pods and containers --------------------------------------------------------

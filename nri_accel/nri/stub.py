@@ -189,8 +189,11 @@ class Stub:
     called). External mode: connect to `socket_path`; whenever the runtime is absent
     or goes away, retry with exponential backoff (BACKOFF_MIN .. BACKOFF_MAX) and
     register again; never returns on its own. Pre-registered mode (`fd` given, or
-    env NRI_PLUGIN_SOCKET): use that inherited socket and return when it closes,
-    since the runtime relaunches its plugins.
+    env NRI_PLUGIN_SOCKET): use that inherited socket and return when it closes. The
+    runtime launches /opt/nri/plugins/NN-name once, when it starts (pkg/adaptation
+    startPlugins), with only NRI_PLUGIN_NAME, NRI_PLUGIN_IDX and NRI_PLUGIN_SOCKET=3
+    in the environment, no arguments and stdio on /dev/null; it never relaunches a
+    plugin that exits, and SIGKILLs the ones it dropped or that it stops with.
     """
 
     def __init__(

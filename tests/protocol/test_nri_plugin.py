@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -15,7 +16,9 @@ from structlog.testing import capture_logs
 from nri_accel import plugin as plugin_mod
 from nri_accel.errors import NriAccelError, PolicyError
 from nri_accel.inventory import KIND_GPU, ContainerEdits, Device, DeviceNode
-from nri_accel.nri.simulator import make_container, make_pod
+from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri.simulator import LEGACY_EVENTS, Simulator, make_container, make_pod
+from nri_accel.nri.stub import Identity, Stub, event_bit
 from nri_accel.plugin import AccelPlugin
 from nri_accel.request import ContainerInfo
 
@@ -121,6 +124,42 @@ def test_stop_and_remove_release_and_synchronize_restores_live_containers() -> N
     accel.stop_container(POD, running)
     accel.remove_container(POD, running)
     assert engine.released == [running.id, running.id]
+
+
+DROP_IN = '[policy]\nmode = "standalone"\n'
+"""What a runtime reads from /etc/nri/conf.d/40-nri-accel.conf and hands to Configure."""
+
+
+def test_configure_reports_a_runtime_handed_config_instead_of_dropping_it() -> None:
+    accel = AccelPlugin(FakeEngine())  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        assert accel.configure("", "containerd", "v2.3.4") is None
+    assert logs == []
+    with capture_logs() as logs:
+        assert accel.configure(DROP_IN, "containerd", "v2.3.4") is None
+    (line,) = logs
+    assert (line["event"], line["log_level"]) == ("runtime_plugin_config_ignored", "warning")
+    assert (line["runtime"], line["size"]) == ("containerd", len(DROP_IN))
+    assert "--config" in line["reason"]
+
+
+async def test_containerd_1_7_accepts_the_subscription_and_configure_reports_its_config(
+    short_dir: Path,
+) -> None:
+    sock = str(short_dir / "nri.sock")
+    async with Simulator(sock, plugin_config=DROP_IN, known_events=LEGACY_EVENTS) as sim:
+        stub = Stub(AccelPlugin(FakeEngine()), Identity("nri-accel", "40"),  # type: ignore[arg-type]
+                    socket_path=sock)
+        with capture_logs() as logs:
+            task = asyncio.get_running_loop().create_task(stub.run())
+            conn = await sim.wait_for_plugin("nri-accel")
+            stub.stop()
+            assert await task == 0
+    assert conn.events == (event_bit(pb.CREATE_CONTAINER) | event_bit(pb.STOP_CONTAINER)
+                           | event_bit(pb.REMOVE_CONTAINER))
+    assert not sim.dropped
+    assert [line["size"] for line in logs
+            if line["event"] == "runtime_plugin_config_ignored"] == [len(DROP_IN)]
 
 
 def test_logs_go_to_stderr_or_the_given_file_or_the_preregistered_default(

@@ -14,7 +14,14 @@ from nri_accel.errors import ConfigError, RequestError
 from nri_accel.inventory import ContainerEdits, DeviceNode
 from nri_accel.nri import adjust
 from nri_accel.nri import nri_pb2 as pb
-from nri_accel.nri.simulator import PluginError, Simulator, make_container, make_pod
+from nri_accel.nri.simulator import (
+    LEGACY_EVENTS,
+    PluginError,
+    Simulator,
+    SimulatorError,
+    make_container,
+    make_pod,
+)
 from nri_accel.nri.stub import (
     BACKOFF_MAX,
     NOTIFICATIONS,
@@ -228,6 +235,50 @@ async def test_configure_may_narrow_the_subscription_but_not_widen_it(sock_path:
         await sim.wait_for(lambda s: bool(s.dropped), 5)
         assert "does not handle" in sim.dropped[0][1]
         assert not stub.registered.is_set()
+
+
+async def test_a_runtime_refuses_a_subscription_to_events_it_does_not_know(
+    sock_path: str,
+) -> None:
+    class Watcher(Injector):
+        """A plugin whose state_change stands in for every notification, the pod-update
+        one included, which containerd 1.7's NRI does not know."""
+
+        def state_change(self, event: int, pod: Any, container: Any) -> None:
+            pass
+
+    async with serving(Injector(), sock_path, known_events=LEGACY_EVENTS) as (sim, _):
+        conn = await sim.wait_for_plugin()
+        assert conn.events == event_bit(pb.CREATE_CONTAINER) | event_bit(pb.STOP_CONTAINER)
+    async with serving(Watcher(), sock_path, known_events=LEGACY_EVENTS) as (sim, _):
+        await sim.wait_for(lambda s: bool(s.dropped), 5)
+    unknown = event_bit(pb.POST_UPDATE_POD_SANDBOX)
+    assert sim.dropped[0] == ("30-injector", f"invalid plugin events: 0x{unknown:x}")
+
+
+async def test_two_plugins_adding_one_device_fail_the_container_with_the_runtimes_words(
+    sock_path: str,
+) -> None:
+    class DeviceOnly:
+        """A device plugin that adds /dev/accel0 and nothing else."""
+
+        def create_container(self, pod: Any, container: Any) -> Any:
+            return adjust.build_adjustment(
+                ContainerEdits(device_nodes=(DeviceNode("/dev/accel0", 240, 0),)))
+
+    async with Simulator(sock_path) as sim:
+        stubs = [Stub(DeviceOnly(), Identity(name, idx), socket_path=sock_path)
+                 for name, idx in (("second", "20"), ("first", "10"))]
+        tasks = [asyncio.get_running_loop().create_task(s.run()) for s in stubs]
+        await sim.wait_for(lambda s: len(s.plugins) == 2, 5)
+        with pytest.raises(SimulatorError) as info:
+            await sim.create_container(POD, CTR)
+        for stub in stubs:
+            stub.stop()
+        assert await asyncio.gather(*tasks) == [0, 0]
+    # pkg/api FieldOwners.Conflict: the later plugin (by index), the owner, Field, key
+    assert str(info.value) == (
+        'plugins "20-second" and "10-first" both tried to set Devices /dev/accel0')
 
 
 def _big_state(sim: Simulator, containers: int) -> None:
