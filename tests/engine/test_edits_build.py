@@ -1,0 +1,313 @@
+"""Edits: nodes, mounts, env, hooks for a Selection, and the safety rules on every path."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+
+import pytest
+from engine_testing import GPU_UUIDS, MIG_UUIDS, cdi_inventory, demo_inventory, neuron_inventory
+
+from nri_accel.config import DevicesConfig
+from nri_accel.edits import HOOK_ENV, build, check_edits, compile_catalog
+from nri_accel.errors import AllocationError
+from nri_accel.inventory import (
+    KIND_GPU,
+    KIND_MIG,
+    KIND_NEURON,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Driver,
+    Hook,
+    Inventory,
+    Mount,
+)
+from nri_accel.request import DeviceClaim, Request
+from nri_accel.select import DeviceIndex, select
+
+SRC = "container annotation devices.nri-accel.io"
+LIB64 = "/usr/local/nvidia/lib64"
+
+
+def edits_for(inventory: Inventory, request: Request, *, devices: DevicesConfig | None = None,
+              **kw):
+    sel = select(request, DeviceIndex(inventory))
+    return build(sel, request, compile_catalog(inventory, devices or DevicesConfig()), **kw)
+
+
+def gpu_ids(*idents: str, kind: str = KIND_GPU, **kw) -> Request:
+    return Request(grants=(DeviceClaim(kind, ids=idents, source=SRC),), **kw)
+
+
+def env_of(edits: ContainerEdits) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in edits.env)
+
+
+# ---- NVIDIA -------------------------------------------------------------------------------
+
+def test_one_gpu_gets_its_node_the_control_nodes_and_the_default_capabilities():
+    edits, notes = edits_for(demo_inventory(), gpu_ids("0"))
+    assert [n.path for n in edits.device_nodes] == [
+        "/dev/nvidia0", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidiactl"]
+    dests = {m.container_path for m in edits.mounts}
+    assert f"{LIB64}/libcuda.so.1" in dests          # compute
+    assert f"{LIB64}/libnvidia-ml.so.1" in dests     # utility
+    assert "/usr/bin/nvidia-smi" in dests
+    assert "/run/nvidia-persistenced/socket" in dests
+    assert f"{LIB64}/libnvidia-encode.so.1" not in dests  # video was not asked for
+    assert env_of(edits) == {
+        "LD_LIBRARY_PATH": LIB64,
+        "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+        "NVIDIA_VISIBLE_DEVICES": GPU_UUIDS["0"],
+    }
+    assert edits.hooks == ()
+    assert notes == ()
+
+
+def test_visible_devices_is_rewritten_to_the_injected_uuids_in_order():
+    edits, _ = edits_for(demo_inventory(), gpu_ids("4", "0:31:0.0"))
+    assert env_of(edits)["NVIDIA_VISIBLE_DEVICES"] == (
+        "GPU-8e0a7d52-1c4f-4b9a-a6d3-2f5e9c1b7d21," + GPU_UUIDS["4"])
+
+
+def test_mig_device_brings_its_caps_nodes_and_its_parent_gpu_node():
+    edits, _ = edits_for(demo_inventory(), gpu_ids("7:0", kind=KIND_MIG))
+    paths = [n.path for n in edits.device_nodes]
+    assert "/dev/nvidia7" in paths
+    assert {"/dev/nvidia-caps/nvidia-cap966", "/dev/nvidia-caps/nvidia-cap967"} <= set(paths)
+    assert "/dev/nvidia0" not in paths
+    assert env_of(edits)["NVIDIA_VISIBLE_DEVICES"] == MIG_UUIDS["7:0"]
+
+
+def test_capabilities_all_and_missing_ones():
+    inv = demo_inventory()
+    edits, notes = edits_for(inv, gpu_ids("0", capabilities=frozenset({"all"})))
+    assert env_of(edits)["NVIDIA_DRIVER_CAPABILITIES"] == (
+        "compat32,compute,display,graphics,ngx,utility,video")
+    assert "/dev/nvidia-modeset" in {n.path for n in edits.device_nodes}  # display
+    # compat32 libraries live in lib/, and both directories are on the path.
+    assert env_of(edits)["LD_LIBRARY_PATH"] == f"{LIB64}:/usr/local/nvidia/lib"
+    no_ngx = dataclasses.replace(inv.driver("nvidia"), capabilities=MappingProxyType(
+        {k: v for k, v in inv.driver("nvidia").capabilities.items() if k != "ngx"}))
+    headless = Inventory(devices=inv.devices, drivers=MappingProxyType({"nvidia": no_ngx}))
+    edits, notes = edits_for(headless, gpu_ids("0", capabilities=frozenset({"ngx", "utility"})))
+    assert env_of(edits)["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    assert notes == ("driver capabilities with no files on this node: ngx",)
+    assert f"{LIB64}/libcuda.so.1" not in {m.container_path for m in edits.mounts}
+
+
+def test_nvidia_none_gets_the_driver_without_a_gpu():
+    edits, _ = edits_for(demo_inventory(), Request(nvidia_none=True))
+    paths = [n.path for n in edits.device_nodes]
+    assert "/dev/nvidiactl" in paths
+    assert not any(p.startswith("/dev/nvidia") and p[-1].isdigit() for p in paths)
+    assert env_of(edits)["NVIDIA_VISIBLE_DEVICES"] == "none"
+
+
+def test_no_device_no_edits():
+    edits, notes = edits_for(demo_inventory(), Request())
+    assert edits == ContainerEdits()
+    assert notes == ()
+
+
+def test_mig_config_and_monitor_caps():
+    inv = demo_inventory()
+    req = Request(grants=(DeviceClaim(KIND_GPU, all=True, source=SRC),), mig_config=True,
+                  mig_monitor=True)
+    paths = {n.path for n in edits_for(inv, req)[0].device_nodes}
+    assert {"/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2"} <= paths
+    assert "/dev/nvidia-caps/nvidia-cap1" not in {
+        n.path for n in edits_for(inv, gpu_ids("0"))[0].device_nodes}
+
+
+# ---- LD_LIBRARY_PATH and hooks -------------------------------------------------------------
+
+@pytest.mark.parametrize(("own", "expected"), [
+    (None, LIB64),
+    ("/opt/app/lib", f"/opt/app/lib:{LIB64}"),
+    (f"/usr/local/nvidia/lib:{LIB64}", None),  # CUDA images: already there, nothing to set
+    (f"{LIB64}:/opt/x", None),
+])
+def test_ld_library_path_appends_the_driver_dir_once(own, expected):
+    env = (f"LD_LIBRARY_PATH={own}",) if own is not None else ()
+    edits, _ = edits_for(demo_inventory(), gpu_ids("0"), container_env=env)
+    assert env_of(edits).get("LD_LIBRARY_PATH") == expected
+
+
+def test_ld_preload_in_the_image_env_has_no_effect():
+    env = ("LD_PRELOAD=/tmp/evil.so", "LD_AUDIT=/tmp/evil.so", "PATH=/evil")
+    devices = DevicesConfig(hooks=True, hook_path="/usr/bin/nvidia-cdi-hook")
+    edits, _ = edits_for(demo_inventory(), gpu_ids("0"), container_env=env, devices=devices)
+    keys = set(env_of(edits))
+    assert not keys & {"LD_PRELOAD", "LD_AUDIT", "PATH"}
+    assert all(h.env == HOOK_ENV for h in edits.hooks)
+
+
+def test_no_hook_by_default_and_one_minimal_hook_when_enabled():
+    inv = demo_inventory()
+    assert edits_for(inv, gpu_ids("0"))[0].hooks == ()
+    devices = DevicesConfig(hooks=True, hook_path="/usr/bin/nvidia-cdi-hook")
+    (hook,) = edits_for(inv, gpu_ids("0"), devices=devices)[0].hooks
+    assert hook.hook_name == "createContainer"
+    assert hook.path == "/usr/bin/nvidia-cdi-hook"
+    assert hook.args == ("nvidia-cdi-hook", "update-ldcache", "--folder", LIB64)
+    assert hook.env == HOOK_ENV and len(hook.env) == 1 and hook.env[0].startswith("PATH=")
+    assert hook.timeout and hook.timeout > 0
+    # hooks=true without a path, or no library mounted: no hook.
+    assert edits_for(inv, gpu_ids("0"), devices=DevicesConfig(hooks=True))[0].hooks == ()
+
+
+def test_cdi_spec_hooks_only_with_hooks_enabled():
+    hook = Hook("createContainer", "/usr/bin/acme-hook", ("acme-hook", "setup"))
+    inv = cdi_inventory(hooks=(hook,))
+    req = gpu_ids("npu0", kind="acme.example/npu")
+    edits, notes = edits_for(inv, req)
+    assert edits.hooks == ()
+    assert "hook(s) not emitted" in notes[0]
+    edits, notes = edits_for(inv, req, devices=DevicesConfig(hooks=True))
+    assert edits.hooks == (Hook("createContainer", "/usr/bin/acme-hook", ("acme-hook", "setup"),
+                                HOOK_ENV, 10),)
+
+
+# ---- other vendors ------------------------------------------------------------------------
+
+def test_cdi_device_gets_its_nodes_env_and_the_spec_edits():
+    edits, _ = edits_for(cdi_inventory(), gpu_ids("npu1", kind="acme.example/npu"))
+    assert [n.path for n in edits.device_nodes] == ["/dev/acme1"]
+    assert env_of(edits) == {"ACME_RUNTIME": "1", "ACME_VISIBLE": "1"}
+    assert [m.container_path for m in edits.mounts] == ["/opt/acme/lib/libacme.so.1"]
+    assert "NVIDIA_VISIBLE_DEVICES" not in env_of(edits)
+
+
+def test_neuron_env_names_devices_and_their_cores():
+    edits, _ = edits_for(neuron_inventory(), gpu_ids("1", "2", kind=KIND_NEURON))
+    assert [n.path for n in edits.device_nodes] == ["/dev/neuron1", "/dev/neuron2"]
+    assert env_of(edits) == {"AWS_NEURON_VISIBLE_DEVICES": "1,2",
+                             "NEURON_RT_VISIBLE_CORES": "2-5"}
+    edits, _ = edits_for(neuron_inventory(), gpu_ids("0", "3", kind=KIND_NEURON))
+    assert env_of(edits)["NEURON_RT_VISIBLE_CORES"] == "0-1,6-7"
+
+
+def test_neuron_cores_set_by_the_device_plugin_are_kept():
+    env = ("NEURON_RT_VISIBLE_CORES=3",)
+    edits, _ = edits_for(neuron_inventory(), gpu_ids("1", kind=KIND_NEURON), container_env=env)
+    assert env_of(edits) == {"AWS_NEURON_VISIBLE_DEVICES": "1"}
+
+
+# ---- what the container already has ---------------------------------------------------------
+
+def test_nodes_and_mounts_already_in_the_spec_are_not_emitted_again():
+    edits, _ = edits_for(demo_inventory(), gpu_ids("0"),
+                         device_paths=frozenset({"/dev/nvidia0", "/dev/nvidiactl"}),
+                         mount_destinations=frozenset({"/usr/bin/nvidia-smi"}))
+    paths = [n.path for n in edits.device_nodes]
+    assert "/dev/nvidia0" not in paths and "/dev/nvidiactl" not in paths
+    assert "/dev/nvidia-uvm" in paths
+    assert "/usr/bin/nvidia-smi" not in {m.container_path for m in edits.mounts}
+
+
+def test_output_is_deterministic_and_deduplicated():
+    inv = demo_inventory()
+    req = Request(grants=(DeviceClaim(KIND_GPU, ids=("3", "1"), source=SRC),
+                          DeviceClaim(KIND_GPU, ids=("1",), source="other")))
+    first = edits_for(inv, req)
+    assert all(edits_for(inv, req) == first for _ in range(3))
+    edits = first[0]
+    assert len({n.path for n in edits.device_nodes}) == len(edits.device_nodes)
+    assert len({m.container_path for m in edits.mounts}) == len(edits.mounts)
+    assert list(edits.env) == sorted(edits.env)
+
+
+# ---- safety of inventory edits --------------------------------------------------------------
+
+def _bad_gpu_inventory(edits: ContainerEdits) -> Inventory:
+    """The demo inventory plus a GPU "8" whose edits are hand-crafted."""
+    inv = demo_inventory()
+    evil = Device(kind=KIND_GPU, name="8", uuid="GPU-evil", edits=edits, vendor="nvidia",
+                  attributes=MappingProxyType({}))
+    return Inventory(devices=(*inv.devices, evil), drivers=inv.drivers)
+
+
+NODE = DeviceNode("/dev/nvidia8", 195, 8)
+
+
+@pytest.mark.parametrize(("edits", "why"), [
+    (ContainerEdits(mounts=(Mount("/etc/passwd", "/proc/sys/kernel/core_pattern"),)),
+     "under /proc or /sys"),
+    (ContainerEdits(mounts=(Mount("/x", "/sys/fs/cgroup"),)), "under /proc or /sys"),
+    (ContainerEdits(mounts=(Mount("/x", "/proc"),)), "under /proc or /sys"),
+    (ContainerEdits(mounts=(Mount("/proc/1/root", "/host"),)), "source '/proc/1/root'"),
+    (ContainerEdits(mounts=(Mount("/usr/lib/../../etc/shadow", "/x"),)), "contains '..'"),
+    (ContainerEdits(mounts=(Mount("/x", "/usr/lib/../../../etc"),)), "contains '..'"),
+    (ContainerEdits(mounts=(Mount("relative/lib.so", "/x"),)), "not an absolute path"),
+    (ContainerEdits(mounts=(Mount("/x//y", "/x"),)), "not a normalised path"),
+    (ContainerEdits(mounts=(Mount("/run/containerd/containerd.sock", "/x.sock"),)),
+     "runtime socket"),
+    (ContainerEdits(mounts=(Mount("/var/run/docker.sock", "/var/run/docker.sock"),)),
+     "runtime socket"),
+    (ContainerEdits(mounts=(Mount("/x", "/x", type="tmpfs"),)), "only bind mounts"),
+    (ContainerEdits(device_nodes=(DeviceNode("/dev/../etc/x", 1, 1),)), "contains '..'"),
+    (ContainerEdits(device_nodes=(DeviceNode("/etc/nvidia8", 195, 8),)), "not under /dev"),
+    (ContainerEdits(device_nodes=(DeviceNode("/dev/x", 195, 8, host_path="/root/x"),)),
+     "not under /dev"),
+    (ContainerEdits(device_nodes=(DeviceNode("/dev/x", -1, -1),)), "wildcard"),
+    (ContainerEdits(device_nodes=(DeviceNode("/dev/x", 1, 1, permissions="rwmx"),)),
+     "cgroup access"),
+    (ContainerEdits(device_nodes=(DeviceNode("/dev/x", 1, 1, type="p"),)), "type 'p'"),
+    (ContainerEdits(device_nodes=(NODE,), env=("LD_PRELOAD=/x.so",)), "LD_PRELOAD"),
+    (ContainerEdits(device_nodes=(NODE,), env=("NOEQUALS",)), "KEY=VALUE"),
+])
+def test_unsafe_inventory_edits_are_refused_for_the_container_that_needs_them(edits, why):
+    inv = _bad_gpu_inventory(edits)
+    with pytest.raises(AllocationError) as e:
+        edits_for(inv, gpu_ids("8"))
+    assert e.value.source == "nvidia.com/gpu=8"
+    assert why in e.value.message
+    # Other containers are unaffected.
+    assert env_of(edits_for(inv, gpu_ids("0"))[0])["NVIDIA_VISIBLE_DEVICES"] == GPU_UUIDS["0"]
+
+
+def test_unsafe_driver_capability_is_refused_with_its_name():
+    inv = demo_inventory()
+    nvidia = inv.driver("nvidia")
+    caps = dict(nvidia.capabilities)
+    caps["video"] = ContainerEdits(mounts=(Mount("/x", "/proc/x"),))
+    bad = Inventory(devices=inv.devices, drivers=MappingProxyType(
+        {"nvidia": dataclasses.replace(nvidia, capabilities=MappingProxyType(caps))}))
+    assert edits_for(bad, gpu_ids("0"))  # video not asked: fine
+    with pytest.raises(AllocationError) as e:
+        edits_for(bad, gpu_ids("0", capabilities=frozenset({"video"})))
+    assert e.value.source == "driver nvidia capability video"
+
+
+def test_mount_options_always_include_ro_nosuid_nodev():
+    checked = check_edits(ContainerEdits(mounts=(
+        Mount("/a", "/a", options=("rw", "suid", "dev", "noexec")),
+        Mount("/b", "/b", type="", options=()),
+        Mount("/c", "/c", options=("rbind",)),
+    )))
+    assert [m.options for m in checked.mounts] == [
+        ("noexec", "ro", "nosuid", "nodev", "bind"),
+        ("ro", "nosuid", "nodev", "bind"),
+        ("rbind", "ro", "nosuid", "nodev"),
+    ]
+    assert all(m.type == "bind" for m in checked.mounts)
+
+
+def test_every_demo_mount_is_read_only_nosuid_nodev():
+    edits, _ = edits_for(demo_inventory(), gpu_ids("0", capabilities=frozenset({"all"})))
+    assert edits.mounts
+    for m in edits.mounts:
+        assert {"ro", "nosuid", "nodev"} <= set(m.options)
+        assert "rw" not in m.options
+
+
+def test_gpu_on_a_node_without_nvidia_driver_files_gets_its_node_and_a_note():
+    inv = demo_inventory()
+    bare = Inventory(devices=inv.devices, drivers=MappingProxyType(
+        {"neuron": Driver("neuron")}))
+    edits, notes = edits_for(bare, gpu_ids("0"))
+    assert [n.path for n in edits.device_nodes] == ["/dev/nvidia0"]
+    assert "LD_LIBRARY_PATH" not in env_of(edits)
+    assert notes == ("no NVIDIA driver files on this node: only device nodes and env",)

@@ -1,0 +1,228 @@
+"""`nri-accel explain`: golden outputs for the demo pods, and the manifest reader.
+
+Golden files live in tests/golden/explain/: <pod>.txt holds the exit status, stdout and
+stderr of `explain` for one demo pod (readable form), <pod>.json the --json stdout of a
+pod that is granted, demo-all.txt the whole demo file explained at once (one Engine, so
+later pods see what earlier ones hold). Regenerate after an intended change with
+`UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/engine/test_explain_cli.py` and review
+the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from engine_testing import DEMO_CONFIG, DEMO_INVENTORY, DEMO_PODS, REPO, cli_logs_to_sink
+from fakes.roots import materialise
+
+from nri_accel.cli import main
+
+GOLDEN = REPO / "tests" / "golden" / "explain"
+UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _logs(monkeypatch):
+    with cli_logs_to_sink(monkeypatch):
+        yield
+
+
+DEMO_DOCS = [d for d in yaml.safe_load_all(DEMO_PODS.read_text()) if d]
+
+
+def explain(capsys, pod: Path, *extra: str) -> tuple[int, str, str]:
+    rc = main(["explain", "--inventory", str(DEMO_INVENTORY), "--config", str(DEMO_CONFIG),
+               "--pod", str(pod), *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with UPDATE_GOLDEN=1 to create it"
+    assert text == path.read_text(), f"{name} differs from its golden file"
+
+
+def transcript(rc: int, out: str, err: str) -> str:
+    return f"exit: {rc}\n--- stdout ---\n{out}--- stderr ---\n{err}"
+
+
+@pytest.mark.parametrize("doc", DEMO_DOCS, ids=[d["metadata"]["name"] for d in DEMO_DOCS])
+def test_demo_pod_golden(capsys, tmp_path, doc):
+    name = doc["metadata"]["name"]
+    pod = tmp_path / f"{name}.yaml"
+    pod.write_text(yaml.safe_dump(doc))
+    rc, out, err = explain(capsys, pod)
+    check_golden(f"{name}.txt", transcript(rc, out, err).replace(str(tmp_path), "<tmp>"))
+    rc_json, out_json, _ = explain(capsys, pod, "--json")
+    assert rc_json == rc
+    if rc == 0:
+        json.loads(out_json)
+        check_golden(f"{name}.json", out_json)
+
+
+def test_demo_pods_expected_outcomes():
+    """What the demo promises, independent of the golden files' exact text."""
+    expected = {"cuda-one": 0, "train-two": 0, "env-visible": 0, "mig-inference": 0,
+                "notebook": 0, "grab-all": 1, "malformed": 1}
+    for name, rc in expected.items():
+        text = (GOLDEN / f"{name}.txt").read_text()
+        assert text.startswith(f"exit: {rc}\n"), name
+    assert "nvidia.com/mig=7:" in (GOLDEN / "mig-inference.txt").read_text()
+    assert "annotation devices.nri-accel.io/pod" in (GOLDEN / "grab-all.txt").read_text()
+    assert "../../dev/mem" in (GOLDEN / "malformed.txt").read_text()
+
+
+def test_whole_demo_file_golden(capsys):
+    rc, out, err = explain(capsys, DEMO_PODS)
+    assert rc == 1  # two demo pods are refused
+    check_golden("demo-all.txt", transcript(rc, out, err))
+
+
+def test_whole_demo_file_hands_counted_devices_out_once(capsys):
+    _, out, _ = explain(capsys, DEMO_PODS, "--json")
+    doc = json.loads(out)
+    granted = [doc[k]["annotations"]["nri-accel.io/granted"] for k in
+               ("cuda-one/main", "train-two/trainer", "mig-inference/server")]
+    names = [n for g in granted for n in g.split(",")]
+    assert len(names) == len(set(names)) == 4
+
+
+# ---- the manifest reader ---------------------------------------------------------------------
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "pod.yaml"
+    p.write_text(text)
+    return p
+
+
+POD_TWO = """
+apiVersion: v1
+kind: Pod
+metadata: {name: two, namespace: research}
+spec:
+  initContainers:
+    - name: init
+      env: [{name: NVIDIA_VISIBLE_DEVICES, value: "0"}]
+  containers:
+    - name: app
+      env:
+        - {name: NVIDIA_VISIBLE_DEVICES, value: "1"}
+        - name: FROM_SECRET
+          valueFrom: {secretKeyRef: {name: s, key: k}}
+      resources: {limits: {cpu: "1", example.com/fpga: 1}}
+"""
+
+
+def test_every_container_in_creation_order_and_notes(capsys, tmp_path):
+    rc, out, err = explain(capsys, write(tmp_path, POD_TWO))
+    assert rc == 0 and err == ""
+    assert out.index("container init") < out.index("container app")
+    assert "env FROM_SECRET: valueFrom cannot be resolved offline" in out
+    assert "resource example.com/fpga: not a device kind of this node" in out
+
+
+def test_container_flag_picks_one_and_json_is_the_bare_adjustment(capsys, tmp_path):
+    rc, out, _ = explain(capsys, write(tmp_path, POD_TWO), "--container", "app", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["annotations"] == {"nri-accel.io/granted": "nvidia.com/gpu=1"}
+    env = {e["key"]: e["value"] for e in doc["env"]}
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert "/dev/nvidia1" in [d["path"] for d in doc["linux"]["devices"]]
+
+
+def test_several_containers_json_is_keyed_by_pod_and_container(capsys, tmp_path):
+    rc, out, _ = explain(capsys, write(tmp_path, POD_TWO), "--json")
+    assert rc == 0
+    assert sorted(json.loads(out)) == ["two/app", "two/init"]
+
+
+def test_unknown_container_is_a_usage_error(capsys, tmp_path):
+    rc, _, err = explain(capsys, write(tmp_path, POD_TWO), "--container", "nope")
+    assert rc == 2
+    assert "no container named 'nope'" in err
+
+
+def test_workload_templates_and_lists(capsys, tmp_path):
+    text = """
+kind: List
+items:
+  - kind: Deployment
+    metadata: {name: web, namespace: ml}
+    spec:
+      template:
+        metadata: {annotations: {a: b}}
+        spec:
+          containers: [{name: srv, resources: {limits: {nvidia.com/gpu: 2}}}]
+  - kind: CronJob
+    metadata: {name: nightly, namespace: ml}
+    spec:
+      jobTemplate:
+        spec:
+          template:
+            spec:
+              containers: [{name: job, resources: {limits: {nvidia.com/gpu: "1"}}}]
+"""
+    rc, out, err = explain(capsys, write(tmp_path, text))
+    assert (rc, err) == (0, "")
+    assert "pod ml/web, container srv" in out and "pod ml/nightly, container job" in out
+    assert out.count("nvidia.com/gpu=") >= 3
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("kind: Service\nmetadata: {name: x}\n", "kind 'Service' is not a Pod"),
+    ("{not yaml", "not valid YAML"),
+    ("kind: Pod\nmetadata: {name: x}\nspec: {containers: []}\n", "the pod has no containers"),
+    ("kind: Pod\nmetadata: {name: x, annotations: {a: 1}}\nspec: {containers: [{name: c}]}\n",
+     "quote numbers"),
+    ("kind: Pod\nspec: {containers: [{name: c, resources: {limits: {nvidia.com/gpu: 1.5}}}]}\n",
+     "whole number"),
+    ("", "no Pod in this file"),
+])
+def test_bad_manifests_are_usage_errors_naming_the_file(capsys, tmp_path, text, message):
+    pod = write(tmp_path, text)
+    rc, out, err = explain(capsys, pod)
+    assert rc == 2 and out == ""
+    assert str(pod) in err and message in err
+
+
+def test_missing_manifest(capsys, tmp_path):
+    rc, _, err = explain(capsys, tmp_path / "absent.yaml")
+    assert rc == 2 and "absent.yaml" in err
+
+
+def test_explain_against_a_live_root(capsys, tmp_path):
+    """--root runs discovery: here the checked-in trn1 fake root (16 Trainium devices of
+    2 NeuronCores each on a NeuronLink torus)."""
+    root = materialise("trn1", tmp_path / "trn1")
+    pod = write(tmp_path, """
+kind: Pod
+metadata: {name: neuron, namespace: research}
+spec:
+  containers:
+    - name: train
+      env: [{name: AWS_NEURON_VISIBLE_DEVICES, value: "2-3"}]
+    - name: plugin
+      resources: {limits: {aws.amazon.com/neuron: 2}}
+""")
+    rc = main(["explain", "--root", root.root, "--config", str(DEMO_CONFIG), "--pod", str(pod),
+               "--json"])
+    out, err = capsys.readouterr()
+    assert (rc, err) == (0, "")
+    doc = json.loads(out)
+    env = {e["key"]: e["value"] for e in doc["neuron/train"]["env"]}
+    assert env == {"AWS_NEURON_VISIBLE_DEVICES": "2,3", "NEURON_RT_VISIBLE_CORES": "4-7"}
+    assert [d["path"] for d in doc["neuron/train"]["linux"]["devices"]] == [
+        "/dev/neuron2", "/dev/neuron3"]
+    # The device-plugin container gets two by count, never the ones "train" holds.
+    picked = doc["neuron/plugin"]["annotations"]["nri-accel.io/granted"].split(",")
+    assert len(picked) == 2 and not {"aws.amazon.com/neuron=2", "aws.amazon.com/neuron=3"} & set(
+        picked)
