@@ -30,7 +30,7 @@ examples:
   nri-accel explain --inventory node.json --pod pod.yaml
   nri-accel run                                    serve containerd/CRI-O over NRI
 
-docs: README.md, docs/requests.md (annotation and env syntax), deploy/ (install)
+docs: README.md (annotation and env syntax, configuration), deploy/ (install)
 """
 
 
