@@ -145,14 +145,16 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     name = r.get(nri, "nri.name", str, "nri-accel")
     idx = r.get(nri, "nri.idx", str, "40")
     if not re.fullmatch(r"[0-9]{2}", idx):
-        raise ConfigError(f"must be two digits such as \"40\", not {idx!r}", source=r.src("nri.idx"))
+        raise ConfigError(f"must be two digits such as \"40\", not {idx!r}",
+                          source=r.src("nri.idx"))
     if not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*", name):
         raise ConfigError(f"invalid plugin name {name!r}", source=r.src("nri.name"))
 
     dev = r.table("devices", {"cdi_passthrough", "hooks", "hook_path"})
     hook_path = r.get(dev, "devices.hook_path", str, "")
     if hook_path and not (hook_path.startswith("/") and ".." not in hook_path.split("/")):
-        raise ConfigError("must be an absolute path without '..'", source=r.src("devices.hook_path"))
+        raise ConfigError("must be an absolute path without '..'",
+                          source=r.src("devices.hook_path"))
 
     disc = r.table("discovery", {"cdi_spec_dirs", "driver_root", "refresh_interval"})
     spec_dirs = r.str_list(disc, "discovery.cdi_spec_dirs", ["/etc/cdi", "/var/run/cdi"])
@@ -190,7 +192,8 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
             raise ConfigError("must be vendor/class, e.g. \"acme.example/npu\"",
                               source=r.src(f"{where}.kind"))
         if not dname or not _NAME_RE.match(dname):
-            raise ConfigError("must be a device name such as \"npu0\"", source=r.src(f"{where}.name"))
+            raise ConfigError("must be a device name such as \"npu0\"",
+                              source=r.src(f"{where}.name"))
         nodes = r.str_list(d, f"{where}.device_nodes", [])
         for n in nodes:
             if not n.startswith("/dev/") or ".." in n.split("/"):

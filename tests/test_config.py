@@ -78,7 +78,7 @@ def test_errors_name_the_key(data, fragment) -> None:
 
 
 def test_explicit_missing_file_and_bad_toml(tmp_path) -> None:
-    with pytest.raises(ConfigError, match="missing.toml"):
+    with pytest.raises(ConfigError, match=r"missing\.toml"):
         load_config(str(tmp_path / "missing.toml"))
     bad = tmp_path / "bad.toml"
     bad.write_text("[policy\n")

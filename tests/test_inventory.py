@@ -99,5 +99,5 @@ def test_bad_inventory_json_names_the_place(doc: str, fragment: str) -> None:
 
 
 def test_load_missing_file_names_it(tmp_path) -> None:
-    with pytest.raises(InventoryError, match="nope.json"):
+    with pytest.raises(InventoryError, match=r"nope\.json"):
         Inventory.load(tmp_path / "nope.json")
