@@ -3,9 +3,10 @@
 Owns: ContainerInfo, DeviceClaim, Request, parse_request() and the syntax of every
 annotation and environment variable nri-accel reads (the user-facing reference is
 README.md, "Requesting devices"). Imports nri_accel.errors, nri_accel.inventory (kind
-names), nri_accel.policy (every trust decision), nri_accel.requirements and nri_accel.select (vendor_of(), the one
-definition of which kinds narrow each other); PyYAML only for the NRI
-device-injector's YAML list annotation. Pure: no I/O, no logging, same input -> same Request.
+names), nri_accel.policy (every trust decision), nri_accel.requirements and
+nri_accel.select (vendor_of(), the one definition of which kinds narrow each other);
+PyYAML only for the NRI device-injector's YAML list annotation. Pure: no I/O, no
+logging, same input -> same Request.
 
 Sources, in rank order (policy.py explains the trust of each):
 
@@ -440,8 +441,8 @@ def _add_ids(acc: _Claims, kind: str, token: str, *, ranges: bool) -> None:
 @lru_cache(maxsize=4096)
 def _parse_devices(value: str, source: str) -> tuple[DeviceClaim, ...]:
     """The devices.nri-accel.io grammar (README.md, "Requesting devices"): entries
-    separated by ';' or newlines; an entry is ``KIND=ID[,ID...]`` (a token with '=' starts a new kind) or
-    ``KIND: N``. An empty value asks for nothing."""
+    separated by ';' or newlines; an entry is ``KIND=ID[,ID...]`` (a token with '='
+    starts a new kind) or ``KIND: N``. An empty value asks for nothing."""
     _check_text(value, source, newlines=True)
     acc = _Claims(source)
     for raw in _ENTRY_SPLIT_RE.split(value):

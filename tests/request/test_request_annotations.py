@@ -28,7 +28,8 @@ def every(kind: str) -> tuple[object, ...]:
 
 
 # Grammar (README.md, "Requesting devices"): entries split on ';' or newlines; an entry
-# is KIND=ID[,ID...] where a comma token with '=' starts a new kind, or KIND: N. Claims come out sorted by kind.
+# is KIND=ID[,ID...] where a comma token with '=' starts a new kind, or KIND: N. Claims
+# come out sorted by kind.
 VALID = [
     ("nvidia.com/gpu=0,1", [ids(GPU, "0", "1")]),
     ("nvidia.com/gpu=0,nvidia.com/gpu=1", [ids(GPU, "0", "1")]),
