@@ -1,10 +1,11 @@
 """`nri-accel explain`: a dry run of CreateContainer from a Kubernetes Pod manifest.
 
-Owns: main_explain(args), the Pod-manifest reader (read_manifests, pod_containers) and
-the readable rendering of a Plan. Imports the standard library, PyYAML, nri_accel.config,
-nri_accel.engine, nri_accel.errors, nri_accel.inventory, nri_accel.log, nri_accel.request,
-and lazily nri_accel.discover (for --root) and nri_accel.nri.adjust (for --json, the one
-builder of a ContainerAdjustment).
+Owns: main_explain(args), the Pod-manifest reader (read_manifests, pod_containers), the
+simulated kubelet device manager (KubeletDevices) and the readable rendering of a Plan.
+Imports the standard library, PyYAML, nri_accel.config, nri_accel.deviceplugin.resources
+(pure, no grpc), nri_accel.engine, nri_accel.errors, nri_accel.inventory, nri_accel.log,
+nri_accel.request, and lazily nri_accel.discover (for --root) and nri_accel.nri.adjust
+(for --json, the one builder of a ContainerAdjustment).
 
     nri-accel explain (--inventory FILE | --root DIR) --pod POD.yaml [--container NAME]
                       [--config FILE] [--json]
@@ -15,20 +16,27 @@ metadata.name, metadata.namespace ("default" when absent), metadata.uid, metadat
 (the pod annotations), and for each of spec.initContainers and spec.containers (in that
 order, the order kubelet creates them) its name, its env entries with a `value` (entries
 with `valueFrom` cannot be resolved offline and are listed as notes) and its resources.
-A container whose resources (limits, else requests) name a device kind of the inventory,
-such as `nvidia.com/gpu: 1`, is treated as nri-accel's device plugin would treat it:
-kubelet passes the allocation as the container annotation `devices.nri-accel.io`, here
-"KIND: N", so nri-accel's allocator picks which devices. The image's own env is not in
+A container's extended resources (limits, else requests) that nri-accel's device plugin
+advertises on this node (`nvidia.com/gpu`, `nvidia.com/mig-<profile>`,
+`aws.amazon.com/neuron`, CDI kinds; see deviceplugin.resources) are allocated as kubelet
+would (KubeletDevices): specific devices, chosen by the plugin's preferred allocation
+among those no earlier container holds, and the plugin's Allocate annotations
+(`devices.nri-accel.io/resource.<resource, / as _>`: the granted devices' qualified
+names) become the container's annotations. Other extended resources are noted (another
+device plugin serves them); more than the node has free is an error naming the
+resource, as the scheduler would leave the pod Pending. The image's own env is not in
 a manifest and so is not seen (a CUDA image's NVIDIA_VISIBLE_DEVICES=all only ever
 narrows anyway).
 
-Every container of every pod is explained, in order, against one Engine (so containers
-of one pod get distinct devices for counts), unless --container names one. Output: per
-container the devices, env, device nodes, mounts, hooks, annotations and notes; with
---json the protobuf JSON mapping of the ContainerAdjustment (one container: the
-adjustment itself; several: an object keyed by "pod/container"). Exit 0 when every
-container was planned, 1 when any request was refused (the reason on stderr, naming the
-annotation or variable), 2 for an unreadable manifest or configuration.
+Every container of every pod is explained, in order, against one KubeletDevices and one
+Engine (so later containers see what earlier ones hold); --container shows only the
+containers of that name (all are still allocated, in order). Output: per container the
+annotations kubelet passed, the devices, env, device nodes, mounts, hooks, annotations
+and notes; with --json the protobuf JSON mapping of the ContainerAdjustment (one
+container: the adjustment itself; several: an object keyed by "pod/container"). Exit 0
+when every container was planned, 1 when any request was refused (the reason on stderr,
+naming the annotation or variable) or a pod asks for more of a resource than is free, 2
+for an unreadable manifest or configuration.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import IO, Any
@@ -44,11 +52,18 @@ from typing import IO, Any
 import yaml
 
 from nri_accel.config import Config, load_config
+from nri_accel.deviceplugin.resources import (
+    Grant,
+    Resource,
+    allocate,
+    preferred_allocation,
+    resources_from_inventory,
+)
 from nri_accel.engine import Engine, Plan
-from nri_accel.errors import ConfigError, RequestError
+from nri_accel.errors import AllocationError, ConfigError, RequestError
 from nri_accel.inventory import Inventory
 from nri_accel.log import configure as configure_logging
-from nri_accel.request import DEVICES_KEY, ContainerInfo
+from nri_accel.request import ContainerInfo
 
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job",
                             "ReplicationController"})
@@ -75,8 +90,8 @@ def main_explain(args: argparse.Namespace) -> int:
     setup_cli_logging(config)
     manifests = read_manifests(args.pod)
     inventory = _inventory(args, config)
-    kinds = frozenset(inventory.kinds())
-    containers = [c for m in manifests for c in pod_containers(m, args.pod, kinds)]
+    kubelet = KubeletDevices(inventory, config)
+    containers = [c for m in manifests for c in pod_containers(m, args.pod, kubelet)]
     if args.container:
         containers = [c for c in containers if c.info.container_name == args.container]
         if not containers:
@@ -135,6 +150,8 @@ def render(container: PodContainer, plan: Plan) -> str:
     """A Plan as text: what the container gets, one fact per line."""
     info = container.info
     lines = [f"pod {info.namespace}/{info.pod_name}, container {info.container_name}"]
+    _section(lines, "kubelet annotations (device plugin Allocate)",
+             (f"{k}={v}" for k, v in sorted(info.container_annotations.items())))
     if plan.devices:
         lines.append("  devices:")
         for d in plan.devices:
@@ -217,32 +234,135 @@ def _pods_of(doc: Any, where: str) -> list[dict[str, Any]]:
                       source=where)
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceRequest:
+    """One container's asks for nri-accel resources, as kubelet's device manager sees
+    them: resource name -> count (limits, else requests; kubelet reads the limits, which
+    the API server requires for extended resources and copies into the requests)."""
+
+    where: str  # the container in the manifest, for errors
+    resources: Mapping[str, int]
+    init: bool = False  # an init container
+    sidecar: bool = False  # an init container with restartPolicy: Always
+
+
+class KubeletDevices:
+    """kubelet's device manager in front of nri-accel's device plugin, for one node.
+
+    The resources are those the plugin advertises (deviceplugin.resources_from_inventory),
+    only healthy devices are allocatable, and each device goes to one running container.
+    admit() allocates a pod's containers in creation order as kubelet's devicemanager
+    does: an init container's devices are handed on to the containers after it (first to
+    the next that asks for that resource; a sidecar init container keeps its own), the
+    rest come from the devices no admitted container holds, chosen by the plugin's
+    GetPreferredAllocation (preferred_allocation, with the handed-on devices as
+    must-include) and granted by its Allocate (allocate). Where kubelet takes handed-on
+    devices in map order, this takes them in inventory order, to be deterministic.
+    """
+
+    def __init__(self, inventory: Inventory, config: Config) -> None:
+        resources, _ = resources_from_inventory(inventory, config)
+        self._resources = {r.name: r for r in resources}
+        self._in_use: dict[str, frozenset[str]] = {}  # resource -> IDs held by admitted pods
+
+    @property
+    def resource_names(self) -> tuple[str, ...]:
+        return tuple(self._resources)
+
+    def serves(self, resource: str) -> bool:
+        return resource in self._resources
+
+    def admit(self, containers: Sequence[DeviceRequest]) -> tuple[Grant, ...]:
+        """The Allocate answer for each container of one pod, in order; all or nothing.
+
+        Raises AllocationError ("Insufficient <resource>", where the scheduler would leave
+        the pod Pending) when a container asks for more devices than are free; nothing
+        is allocated then."""
+        in_use = {name: set(ids) for name, ids in self._in_use.items()}
+        handed_on: dict[str, set[str]] = {}  # kubelet's devicesToReuse for this pod
+        grants = []
+        for c in containers:
+            annotations: dict[str, str] = {}
+            cdi: list[str] = []
+            for name, count in sorted(c.resources.items()):
+                resource = self._resources[name]
+                pool = handed_on.setdefault(name, set())
+                ids = _pick(resource, count, in_use.setdefault(name, set()), pool, c.where)
+                grant = allocate(resource, ids)
+                annotations.update(grant.annotations)
+                cdi.extend(grant.cdi_devices)
+                if c.init and not c.sidecar:
+                    pool.update(ids)
+                else:
+                    pool.difference_update(ids)
+            grants.append(Grant(MappingProxyType(annotations), tuple(cdi)))
+        self._in_use = {name: frozenset(ids) for name, ids in in_use.items()}
+        return tuple(grants)
+
+
+def _pick(resource: Resource, count: int, in_use: set[str], handed_on: set[str],
+          where: str) -> tuple[str, ...]:
+    """kubelet's devicesToAllocate for one container and resource; marks them in use."""
+    reused = [d.id for d in resource.devices if d.id in handed_on][:count]
+    if len(reused) < count:
+        free = [d.id for d in resource.devices if d.healthy and d.id not in in_use]
+        if len(reused) + len(free) < count:
+            raise AllocationError(
+                f"Insufficient {resource.name}: asks for {count}, "
+                f"{len(reused) + len(free)} of the node's {len(resource.devices)} are free "
+                "(the others are allocated to earlier containers or unhealthy); the "
+                "scheduler would leave the pod Pending", source=where)
+        ids = preferred_allocation(resource, free + reused, reused, count)
+    else:
+        ids = tuple(reused)
+    in_use.update(ids)
+    return ids
+
+
 def pod_containers(pod: Mapping[str, Any], origin: str,
-                   device_kinds: Container[str] = frozenset()) -> list[PodContainer]:
-    """Each container of a Pod manifest as CreateContainer would present it; resources of
-    `device_kinds` become the device plugin's allocation annotation."""
+                   kubelet: KubeletDevices) -> list[PodContainer]:
+    """Each container of a Pod manifest as CreateContainer would present it, once
+    `kubelet` has admitted the pod: the Allocate annotations of the nri-accel resources
+    a container asks for become its container annotations."""
     meta = _mapping(pod.get("metadata"), f"{origin}: metadata")
     name = _text(meta.get("name", "pod"), f"{origin}: metadata.name")
     where = f"{origin}: pod {name}"
     namespace = _text(meta.get("namespace") or "default", f"{where}: metadata.namespace")
     uid = _text(meta.get("uid", ""), f"{where}: metadata.uid")
-    annotations = _string_map(meta.get("annotations"), f"{where}: metadata.annotations")
+    annotations = MappingProxyType(
+        _string_map(meta.get("annotations"), f"{where}: metadata.annotations"))
     spec = _mapping(pod.get("spec"), f"{where}: spec")
-    out: list[PodContainer] = []
+    parsed: list[tuple[str, tuple[str, ...], list[str], DeviceRequest]] = []
     for field in ("initContainers", "containers"):
         items = spec.get(field) or []
         if not isinstance(items, list):
             raise ConfigError("must be a list", source=f"{where}: spec.{field}")
         for i, c in enumerate(items):
-            out.append(_container(c, f"{where}: spec.{field}[{i}]", namespace, name, uid,
-                                  annotations, device_kinds))
-    if not out:
+            parsed.append(_container(c, f"{where}: spec.{field}[{i}]",
+                                     field == "initContainers", kubelet))
+    if not parsed:
         raise ConfigError("the pod has no containers", source=f"{where}: spec.containers")
+    grants = kubelet.admit([request for *_, request in parsed])
+    out = []
+    for (cname, env, notes, _), grant in zip(parsed, grants, strict=True):
+        notes.extend(f"kubelet passes CDI device {n} to the runtime" for n in grant.cdi_devices)
+        info = ContainerInfo(
+            namespace=namespace,
+            pod_name=name,
+            pod_uid=uid,
+            container_name=cname,
+            container_id=f"{namespace}/{name}/{cname}",
+            pod_annotations=annotations,
+            container_annotations=grant.annotations,
+            env=env,
+        )
+        out.append(PodContainer(info, tuple(notes)))
     return out
 
 
-def _container(c: Any, where: str, namespace: str, pod: str, uid: str,
-               annotations: Mapping[str, str], device_kinds: Container[str]) -> PodContainer:
+def _container(c: Any, where: str, init: bool, kubelet: KubeletDevices
+               ) -> tuple[str, tuple[str, ...], list[str], DeviceRequest]:
+    """A container's name, env, notes and device-plugin request."""
     c = _mapping(c, where)
     name = _text(c.get("name"), f"{where}.name")
     if not name:
@@ -260,47 +380,36 @@ def _container(c: Any, where: str, namespace: str, pod: str, uid: str,
             continue
         value = e.get("value", "")
         env.append(f"{key}={_text(value, f'{where}.env[{j}].value')}")
-    allocation = _device_resources(c.get("resources"), f"{where}.resources", device_kinds,
-                                   notes)
-    container_annotations = {DEVICES_KEY: allocation} if allocation else {}
-    info = ContainerInfo(
-        namespace=namespace,
-        pod_name=pod,
-        pod_uid=uid,
-        container_name=name,
-        container_id=f"{namespace}/{pod}/{name}",
-        pod_annotations=MappingProxyType(dict(annotations)),
-        container_annotations=MappingProxyType(container_annotations),
-        env=tuple(env),
-    )
-    return PodContainer(info, tuple(notes))
+    resources = _device_resources(c.get("resources"), f"{where}.resources", kubelet, notes)
+    request = DeviceRequest(where=f"{where}.resources", resources=MappingProxyType(resources),
+                            init=init, sidecar=init and c.get("restartPolicy") == "Always")
+    return name, tuple(env), notes, request
 
 
-def _device_resources(resources: Any, where: str, device_kinds: Container[str],
-                      notes: list[str]) -> str:
-    """The device-plugin allocation of a container's extended resources ("KIND: N; ...")
-    for every resource that is a device kind of the node; other extended resources are
-    noted (another device plugin serves them), cpu, memory and hugepages are not devices."""
-    if resources is None:
-        return ""
+def _device_resources(resources: Any, where: str, kubelet: KubeletDevices,
+                      notes: list[str]) -> dict[str, int]:
+    """The nri-accel resources a container asks for (name -> count > 0), limits over
+    requests; other extended resources are noted (another device plugin serves them, if
+    any); cpu, memory and hugepages are not devices."""
     resources = _mapping(resources, where)
-    wanted = resources.get("limits") or resources.get("requests") or {}
-    wanted = _mapping(wanted, f"{where}.limits")
-    entries = []
-    for kind, n in sorted(wanted.items()):
-        if not isinstance(kind, str) or "/" not in kind:
+    wanted = {**_mapping(resources.get("requests"), f"{where}.requests"),
+              **_mapping(resources.get("limits"), f"{where}.limits")}
+    out = {}
+    for name, n in sorted(wanted.items(), key=lambda kv: str(kv[0])):
+        if not isinstance(name, str) or "/" not in name:
             continue
-        if kind not in device_kinds:
-            notes.append(f"resource {kind}: not a device kind of this node; nri-accel's "
-                         "device plugin does not allocate it")
+        if not kubelet.serves(name):
+            served = ", ".join(kubelet.resource_names) or "none"
+            notes.append(f"resource {name}: not advertised by nri-accel's device plugin on "
+                         f"this node (it advertises: {served}); left to another device plugin")
             continue
-        count = n if isinstance(n, int) else str(n)
-        if isinstance(count, str) and not count.isdigit():
-            raise ConfigError(f"{kind}: a device count must be a whole number, not {n!r}",
+        if isinstance(n, bool) or not isinstance(n, int | str) or not (
+                str(n).isascii() and str(n).isdigit()):
+            raise ConfigError(f"{name}: a device count must be a whole number, not {n!r}",
                               source=where)
-        if int(count) > 0:
-            entries.append(f"{kind}: {int(count)}")
-    return "; ".join(entries)
+        if int(n) > 0:
+            out[name] = int(n)
+    return out
 
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:

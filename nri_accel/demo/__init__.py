@@ -1,14 +1,18 @@
 """`nri-accel demo`: the real daemon, a simulated runtime, a built-in node and pods.
 
-Owns: the demo run and its printout. Imports explain (Pod manifests), nri.simulator
-(the runtime side of NRI), nri.adjust (JSON rendering), log and the standard library.
+Owns: the demo run and its printout. Imports explain (Pod manifests, the simulated
+kubelet), nri.simulator (the runtime side of NRI), nri.adjust (JSON rendering), config,
+inventory, log and the standard library.
 
 The daemon is started exactly as an operator would (`nri-accel run --socket ...`) as a
 subprocess, against the built-in inventory (inventory.json: an 8-GPU A100 node with one
 GPU in MIG mode) and configuration (config.toml: Kubernetes policy, one trusted
-namespace). The simulator plays containerd: it accepts the registration, configures
-and synchronises the plugin, then sends CreateContainer for every container of
-pods.yaml over the real unix socket, and prints what each container got back.
+namespace). explain.KubeletDevices plays kubelet with nri-accel's device plugin: it
+allocates the pods' device-plugin resources (nvidia.com/gpu, nvidia.com/mig-<profile>)
+and hands the plugin's Allocate annotations to the containers. The simulator plays
+containerd: it accepts the registration, configures and synchronises the plugin, then
+sends CreateContainer for every container of pods.yaml over the real unix socket, and
+prints what each container got back.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +43,15 @@ def main_demo(args: argparse.Namespace) -> int:
 
 
 async def _demo(tmp: Path, *, as_json: bool) -> int:
-    from nri_accel.explain import pod_containers, read_manifests
+    from nri_accel.config import load_config
+    from nri_accel.explain import KubeletDevices, pod_containers, read_manifests
     from nri_accel.inventory import Inventory
     from nri_accel.nri.simulator import PluginError, Simulator, make_container, make_pod
 
     inventory = Inventory.load(INVENTORY)
-    kinds = frozenset(inventory.kinds())
+    kubelet = KubeletDevices(inventory, load_config(str(CONFIG)))
     containers = [c for m in read_manifests(str(PODS))
-                  for c in pod_containers(m, str(PODS), kinds)]
+                  for c in pod_containers(m, str(PODS), kubelet)]
     socket_path = str(tmp / "nri.sock")
     log_path = tmp / "daemon.log"
     _header(inventory)
@@ -77,7 +83,7 @@ async def _demo(tmp: Path, *, as_json: bool) -> int:
 
                     print(f"{title}\n{to_json(rsp.adjust)}")
                 else:
-                    print(_render(title, rsp.adjust))
+                    print(_render(title, info.container_annotations, rsp.adjust))
         finally:
             daemon.terminate()
             daemon.wait(timeout=10)
@@ -95,10 +101,13 @@ def _header(inventory: Any) -> None:
     print(f"inventory {INVENTORY}\nconfig    {CONFIG}\npods      {PODS}\n")
 
 
-def _render(title: str, adj: Any) -> str:
+def _render(title: str, kubelet: Mapping[str, str], adj: Any) -> str:
+    """What kubelet passed (the device plugin's Allocate annotations) and what the
+    daemon answered."""
     devices = [d.path for d in adj.linux.devices]
     env = [f"{e.key}={e.value}" for e in adj.env]
     lines = [title]
+    lines.extend(f"  kubelet  {k}={v}" for k, v in sorted(kubelet.items()))
     if not devices and not adj.mounts and not env:
         lines.append("  no devices")
         return "\n".join(lines) + "\n"

@@ -75,7 +75,9 @@ def test_demo_pods_expected_outcomes():
     for name, rc in expected.items():
         text = (GOLDEN / f"{name}.txt").read_text()
         assert text.startswith(f"exit: {rc}\n"), name
-    assert "nvidia.com/mig=7:" in (GOLDEN / "mig-inference.txt").read_text()
+    mig = (GOLDEN / "mig-inference.txt").read_text()
+    assert "devices.nri-accel.io/resource.nvidia.com_mig-1g.10gb=nvidia.com/mig=MIG-" in mig
+    assert "nvidia.com/mig=7:2 " in mig  # the demo node's one 1g.10gb MIG device
     assert "annotation devices.nri-accel.io/pod" in (GOLDEN / "grab-all.txt").read_text()
     assert "../../dev/mem" in (GOLDEN / "malformed.txt").read_text()
 
@@ -126,7 +128,7 @@ def test_every_container_in_creation_order_and_notes(capsys, tmp_path):
     assert rc == 0 and err == ""
     assert out.index("container init") < out.index("container app")
     assert "env FROM_SECRET: valueFrom cannot be resolved offline" in out
-    assert "resource example.com/fpga: not a device kind of this node" in out
+    assert "resource example.com/fpga: not advertised by nri-accel's device plugin" in out
 
 
 def test_container_flag_picks_one_and_json_is_the_bare_adjustment(capsys, tmp_path):
