@@ -31,13 +31,14 @@ What a container gets:
 Safety (defence in depth: discovery already guarantees it, a hand-written inventory JSON
 may not): every path is absolute, normalised and free of "..", device nodes live under
 /dev with a real major/minor and cgroup access within "rwm", mounts are bind mounts that
-always carry ro, nosuid, nodev, no mount lands under /proc or /sys, nothing mounts a
-runtime socket, and inventory env may not set LD_PRELOAD or LD_AUDIT. An edit breaking
-these is refused when a container needs it, with an AllocationError naming the device
-or capability; other containers are unaffected. Device nodes and mounts already in the
-container spec are not emitted again (two NRI plugins setting one path fail the
-container). Output is deterministic: env sorted by name, nodes by path, mounts by
-destination, gids ascending.
+always carry ro, nosuid, nodev, no mount lands on / or under /proc or /sys, nothing
+mounts a runtime socket or a directory holding one (a read-only bind of a socket still
+lets a process connect to it), and inventory env may not set LD_PRELOAD or LD_AUDIT. An
+edit breaking these is refused when a container needs it, with an AllocationError naming
+the device or capability; other containers are unaffected. Device nodes and mounts
+already in the container spec are not emitted again (two NRI plugins setting one path
+fail the container). Output is deterministic: env sorted by name, nodes by path, mounts
+by destination, gids ascending.
 """
 
 from __future__ import annotations
@@ -185,7 +186,9 @@ def check_edits(edits: ContainerEdits, *, hooks_enabled: bool = False) -> Contai
 
 
 def _check_path(path: str, what: str) -> None:
-    if not path.startswith("/") or "\0" in path:
+    # normpath keeps a leading "//" (POSIX leaves its meaning to the system), which would
+    # let "//proc" past the prefix checks below: refused.
+    if not path.startswith("/") or path.startswith("//") or "\0" in path:
         raise UnsafeEdit(f"{what} {path[:128]!r} is not an absolute path")
     if ".." in path.split("/"):
         raise UnsafeEdit(f"{what} {path[:128]!r} contains '..'")
@@ -194,7 +197,7 @@ def _check_path(path: str, what: str) -> None:
 
 
 def _under(path: str, roots: Iterable[str]) -> bool:
-    return any(path == r or path.startswith(r + "/") for r in roots)
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
 def _check_node(n: DeviceNode) -> None:
@@ -215,13 +218,16 @@ def _check_mount(m: Mount) -> Mount:
         raise UnsafeEdit(f"mount {m.container_path!r} has type {m.type!r}: only bind mounts")
     _check_path(m.host_path, "mount source")
     _check_path(m.container_path, "mount destination")
-    if _under(m.container_path, FORBIDDEN_DESTINATIONS):
-        raise UnsafeEdit(f"mount destination {m.container_path!r} is under /proc or /sys")
+    if m.container_path == "/" or _under(m.container_path, FORBIDDEN_DESTINATIONS):
+        raise UnsafeEdit(f"mount destination {m.container_path!r} is /, or under /proc "
+                         "or /sys")
     if _under(m.host_path, ("/proc",)):
         raise UnsafeEdit(f"mount source {m.host_path!r} is under /proc")
     for p in (m.host_path, m.container_path):
         if _under(p, RUNTIME_SOCKETS):
             raise UnsafeEdit(f"mount {p!r} is a container runtime socket or its directory")
+    if any(_under(s, (m.host_path,)) for s in RUNTIME_SOCKETS):
+        raise UnsafeEdit(f"mount source {m.host_path!r} holds a container runtime socket")
     opts = [o for o in m.options if o not in _DROPPED_MOUNT_OPTIONS]
     opts += [o for o in REQUIRED_MOUNT_OPTIONS if o not in opts]
     if "bind" not in opts and "rbind" not in opts:

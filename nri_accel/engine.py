@@ -20,8 +20,13 @@ Plan adds to its container:
     nri-accel.io/granted: every device granted, qualified names, sorted, comma separated
     nri-accel.io/shared:  those of them granted only through `all` (absent when none)
 
-so a restarted plugin learns from Synchronize what running containers hold. Calls are
-serialised by a lock (the refresh thread may swap the inventory while the NRI loop plans).
+so a restarted plugin learns from Synchronize what running containers hold. Only
+nri-accel writes them: plan() refuses a container that already carries one, or whose pod
+does (a runtime may copy pod annotations into the container's, and a forged record
+would make restore() hold devices no one has, or free devices a container still uses),
+and nri.convert.live_containers hands restore() only the container's own annotations,
+not the copies of its pod's. Calls are serialised by a lock (the refresh thread may swap
+the inventory while the NRI loop plans).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from types import MappingProxyType
 from nri_accel.config import Config
 from nri_accel.edits import Catalog, compile_catalog
 from nri_accel.edits import build as build_edits
+from nri_accel.errors import RequestError
 from nri_accel.inventory import ContainerEdits, Device, Inventory
 from nri_accel.log import get_logger
 from nri_accel.policy import Policy
@@ -109,6 +115,7 @@ class Engine:
         """The Plan for one container, recorded as its allocation (replacing any earlier
         one of the same id; an empty id is planned but not recorded). Raises RequestError
         and records nothing then."""
+        _refuse_grant_records(info)
         request = parse_request(info, self._policy)
         with self._lock:
             tables = self._tables
@@ -141,9 +148,9 @@ class Engine:
             self._release(container_id)
 
     def restore(self, containers: Iterable[tuple[str, Mapping[str, str]]]) -> None:
-        """Replace the allocation state with what the running `containers` (id and
-        annotations, from Synchronize) were granted. Unreadable annotations are logged and
-        skipped: they never stop the plugin."""
+        """Replace the allocation state with what the running `containers` (id and their
+        own annotations, from Synchronize) were granted. Unreadable annotations are
+        logged and skipped: they never stop the plugin."""
         grants: dict[str, _Grant] = {}
         for container_id, values in containers:
             grant = _read_grant(container_id, values)
@@ -198,6 +205,16 @@ def grant_annotations(devices: Iterable[Device], shared: frozenset[str]) -> Mapp
     return MappingProxyType(out)
 
 
+def _refuse_grant_records(info: ContainerInfo) -> None:
+    """RequestError when the pod or the container already carries a grant annotation."""
+    for key in (ANNOTATION_GRANTED, ANNOTATION_SHARED):
+        for where, carried in (("annotation", info.pod_annotations),
+                               ("container annotation", info.container_annotations)):
+            if key in carried:
+                raise RequestError("reserved: nri-accel records there what it granted, "
+                                   "remove it", source=f"{where} {key}")
+
+
 def _read_grant(container_id: str, annotations: Mapping[str, str]) -> _Grant | None:
     granted = annotations.get(ANNOTATION_GRANTED)
     if not granted:
@@ -206,7 +223,7 @@ def _read_grant(container_id: str, annotations: Mapping[str, str]) -> _Grant | N
     shared = _names(annotations.get(ANNOTATION_SHARED, ""))
     if names is None or shared is None:
         log.warning("grant_annotation_unreadable", container_id=container_id,
-                    annotation=ANNOTATION_GRANTED, value=granted[:200])
+                    annotation=ANNOTATION_GRANTED, value=repr(granted[:200]))
         return None
     return _Grant(held=names - shared, shared=shared & names)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import re
 import sys
 import time
 from typing import IO, Any
@@ -32,6 +33,7 @@ from nri_accel.nri import adjust, convert
 from nri_accel.nri.stub import Stub, resolve_identity
 
 DEFAULT_PREREGISTERED_LOG = "/var/log/nri-accel.log"
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 log = logging_setup.get_logger(__name__)
 
@@ -59,7 +61,7 @@ class AccelPlugin:
                                f"(default {DEFAULT_CONFIG_PATH}), not from the runtime")
 
     def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
-        self.engine.restore(convert.live_containers(containers))
+        self.engine.restore(convert.live_containers(containers, pods))
 
     def create_container(self, pod: Any, container: Any) -> Any:
         started = time.perf_counter_ns()
@@ -70,16 +72,17 @@ class AccelPlugin:
         except Exception as exc:
             duration_us = (time.perf_counter_ns() - started) // 1000
             unexpected = not isinstance(exc, NriAccelError)
-            log.warning("container_refused", namespace=info.namespace, pod=info.pod_name,
-                        container=info.container_name, error=str(exc),
-                        source=getattr(exc, "source", ""), duration_us=duration_us,
+            log.warning("container_refused", namespace=_shown(info.namespace),
+                        pod=_shown(info.pod_name), container=_shown(info.container_name),
+                        error=_shown(str(exc), 1024),
+                        source=_shown(getattr(exc, "source", "")), duration_us=duration_us,
                         exc_info=exc if unexpected else None)
             if unexpected:  # a bug: the container fails with a readable reason, we go on
                 raise NriAccelError(f"nri-accel internal error: {exc}") from exc
             raise
         duration_us = (time.perf_counter_ns() - started) // 1000
-        log.info("container_created", namespace=info.namespace, pod=info.pod_name,
-                 container=info.container_name,
+        log.info("container_created", namespace=_shown(info.namespace),
+                 pod=_shown(info.pod_name), container=_shown(info.container_name),
                  devices=[d.qualified_name for d in plan.devices],
                  capabilities=sorted(plan.capabilities) if plan.devices else [],
                  cdi_devices=list(plan.cdi_devices), notes=list(plan.notes),
@@ -91,6 +94,14 @@ class AccelPlugin:
 
     def remove_container(self, pod: Any, container: Any) -> None:
         self.engine.release(container.id)
+
+
+def _shown(text: str, limit: int = 256) -> str:
+    """`text` as a log field: control characters escaped (a console log is read on a
+    terminal; names come from whoever wrote the pod) and cut at `limit` characters."""
+    if len(text) <= limit and not _UNPRINTABLE.search(text):
+        return text
+    return repr(text[:limit])[1:-1] + ("..." if len(text) > limit else "")
 
 
 def main_run(args: argparse.Namespace) -> int:

@@ -24,9 +24,11 @@ Capabilities (``capabilities.nri-accel.io`` with the same precedence, else
 NVIDIA_DRIVER_CAPABILITIES) and requirements (NVIDIA_REQUIRE_*, CUDA_VERSION) only select
 driver files and add checks, so any source may set them.
 
-Every value is text from whoever wrote the pod or image: it is size-limited, control
-characters are refused, ids are names (never paths) and every error names its source.
-Variables nri-accel does not read (LD_PRELOAD, LD_LIBRARY_PATH, ...) are never looked at.
+Every value is text from whoever wrote the pod or image: it is size-limited (each value,
+and the env variables read taken together), control characters are refused, ids are
+names (never paths) and every error names its source, a hostile key or variable name
+shown escaped and cut. Variables nri-accel does not read (LD_PRELOAD, LD_LIBRARY_PATH,
+...) are never looked at, nor kept in a memo.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ ENV_MIG_MONITOR = "NVIDIA_MIG_MONITOR_DEVICES"
 ENV_NEURON = "AWS_NEURON_VISIBLE_DEVICES"
 _READ_ENV = frozenset({ENV_VISIBLE, ENV_NV_GPU, ENV_CAPABILITIES, ENV_MIG_CONFIG,
                        ENV_MIG_MONITOR, ENV_NEURON, "CUDA_VERSION", "NVIDIA_DISABLE_REQUIRE"})
+# Entries of the env that nri-accel reads: those of _READ_ENV and NVIDIA_REQUIRE_*.
+_READ_ENV_PREFIXES = (*(f"{n}=" for n in sorted(_READ_ENV)), REQUIRE_PREFIX)
 
 # libnvidia-container / nvidia-container-toolkit driver capabilities.
 ALL_CAPABILITIES = frozenset(
@@ -75,6 +79,10 @@ DEFAULT_CAPABILITIES = frozenset({"utility", "compute"})
 NVIDIA_VENDOR = vendor_of(KIND_GPU)
 MAX_VALUE_BYTES = 4096
 MAX_IDS = 256
+# All the env entries nri-accel reads together (an image may define any number of
+# NVIDIA_REQUIRE_* variables): bounds the parse time and what the memo keeps per env.
+MAX_ENV_READ_CHARS = 4 * MAX_VALUE_BYTES
+MAX_NAME_CHARS = 253  # longest annotation key or variable name shown as it is in a source
 
 # CDI vendor/class (tags.cncf.io/container-device-interface/pkg/parser): a letter first,
 # letters, digits, '_', '-', '.' inside, a letter or digit last.
@@ -263,11 +271,12 @@ def _container_sources(info: ContainerInfo) -> tuple[tuple[_Source, ...], tuple[
             continue
         value = info.container_annotations[key]
         if Policy.container_annotation_trusted(key, info.pod_annotations):
-            origin, name, out = Origin.CONTAINER, f"container annotation {key}", trusted
+            origin, name, out = Origin.CONTAINER, _named("container annotation", key), trusted
         elif value == info.pod_annotations[key]:
             continue  # the runtime's copy of a pod annotation, parsed with the pod's
         else:
-            origin, name = Origin.POD, f"container annotation {key} (also set on the pod)"
+            origin = Origin.POD
+            name = _named("container annotation", key) + " (also set on the pod)"
             out = demoted
         claims = _parse_devices(value, name) if is_devices else _parse_cdi_value(value, name)
         out.append(_Source(origin, name, claims, value))
@@ -285,31 +294,51 @@ def _pod_sources(info: ContainerInfo) -> tuple[_Source, ...]:
     out: list[_Source] = []
     key = _first_present(pods, (DEVICES_KEY,), info.container_name)
     if key is not None:
-        name = f"annotation {key}"
+        name = _named("annotation", key)
         out.append(_Source(Origin.POD, name, _parse_devices(pods[key], name), pods[key]))
     key = _first_present(pods, INJECTOR_CDI_KEYS, info.container_name)
     if key is not None:
-        name = f"annotation {key}"
+        name = _named("annotation", key)
         out.append(_Source(Origin.POD, name, _parse_injector_cdi(pods[key], name), pods[key]))
     for key in cdi_keys:
-        name = f"annotation {key}"
+        name = _named("annotation", key)
         out.append(_Source(Origin.POD, name, _parse_cdi_value(pods[key], name), pods[key]))
     return tuple(out)
 
 
-@lru_cache(maxsize=1024)
 def _env_part(env: tuple[str, ...]) -> _EnvPart:
-    """The env's requests. OCI env semantics: the last definition of a name wins; entries
-    without '=' are not variables. Values nri-accel reads are checked for size and
-    control characters; other variables (LD_PRELOAD, ...) are never looked at."""
+    """The env's requests. The memo keeps a small env as it is (the common case, and the
+    fastest); of a larger one only the entries nri-accel reads, so whatever else the
+    image or pod defines (LD_LIBRARY_PATH, ...) is never kept."""
+    if sum(map(len, env)) <= MAX_ENV_READ_CHARS:
+        return _read_env_part(env)
+    read = tuple(kv for kv in env if kv.startswith(_READ_ENV_PREFIXES))
+    if sum(map(len, read)) > MAX_ENV_READ_CHARS:
+        name = max(read, key=len).partition("=")[0]
+        raise RequestError(f"the variables nri-accel reads ({', '.join(sorted(_READ_ENV))}, "
+                           f"{REQUIRE_PREFIX}*) hold more than {MAX_ENV_READ_CHARS} "
+                           "characters in all", source=_named("env", name))
+    return _read_env_part(read)
+
+
+@lru_cache(maxsize=1024)
+def _read_env_part(env: tuple[str, ...]) -> _EnvPart:
+    """_env_part(), memoised. OCI env semantics: the last definition of a name wins;
+    entries without '=' are not variables. The variables nri-accel reads are checked for
+    size and control characters (their names too); other variables (LD_PRELOAD, ...)
+    are never looked at."""
     values: dict[str, str] = {}
     for kv in env:
         k, eq, v = kv.partition("=")
         if eq:
             values[k] = v
     for k, v in values.items():
-        if k in _READ_ENV or k.startswith(REQUIRE_PREFIX):
-            _check_text(v, f"env {k}")
+        if k not in _READ_ENV and not k.startswith(REQUIRE_PREFIX):
+            continue
+        if len(k) > MAX_NAME_CHARS or _CONTROL_RE.search(k):
+            raise RequestError("variable name with control characters or longer than "
+                               f"{MAX_NAME_CHARS} characters", source=_named("env", k))
+        _check_text(v, f"env {k}")
     sources = []
     visible = _visible_devices(values)
     if visible is not None:
@@ -346,10 +375,19 @@ def _check_plugin_key(key: str) -> None:
     prefix, _, rest = key.partition("/")
     if rest != "pod" and not (rest.startswith("container.") and len(rest) > 10):
         raise RequestError(f"unknown key (use {prefix}/container.<name>, {prefix}/pod "
-                           f"or {prefix})", source=f"annotation {key}")
+                           f"or {prefix})", source=_named("annotation", key))
 
 
 # ---- value syntax ----------------------------------------------------------------------
+
+def _named(what: str, name: str) -> str:
+    """The source naming annotation key or variable `name` ("annotation cdi.k8s.io/x").
+    Sources are logged and sent back to the runtime: a name with control characters or
+    longer than MAX_NAME_CHARS is shown escaped and cut."""
+    if len(name) <= MAX_NAME_CHARS and not _CONTROL_RE.search(name):
+        return f"{what} {name}"
+    return f"{what} {name[:64]!r}..."
+
 
 def _check_text(value: str, source: str, *, newlines: bool = False) -> None:
     """Refuse values over MAX_VALUE_BYTES and control characters (newline only where
@@ -566,7 +604,7 @@ def _capabilities(info: ContainerInfo, env: _EnvPart) -> tuple[frozenset[str], s
     a legacy image -> all; else utility,compute."""
     key = _first_present(info.pod_annotations, (CAPABILITIES_KEY,), info.container_name)
     if key is not None:
-        return _parse_capabilities(info.pod_annotations[key], f"annotation {key}")
+        return _parse_capabilities(info.pod_annotations[key], _named("annotation", key))
     if env.capabilities is not None:
         return _parse_capabilities(env.capabilities[1], env.capabilities[0])
     if env.legacy:

@@ -18,12 +18,16 @@ An entry's flags hold the type (FLAG_ELF_LIBC6 = 3) and the architecture in bits
 
 Every path is resolved with symlinks interpreted as if the root were "/": an absolute
 link target restarts at the root, ".." stops at the root. Nothing outside is touched.
+The cache is read only from a regular file of at most 64 MiB, its strings are at most
+PATH_MAX long, and a DT_SONAME names the file in the container only when it is a plain
+file name extending the library's own (soname_of).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 import stat
 import struct
 from collections import deque
@@ -41,6 +45,9 @@ _NEW_HEADER = struct.Struct("<20sIIB3xI12x")
 _NEW_ENTRY = struct.Struct("<iIIIQ")
 _OLD_ENTRY = struct.Struct("<iII")
 _MAX_SYMLINKS = 40
+_MAX_CACHE_BYTES = 64 << 20  # a real ld.so.cache is well under 1 MiB
+_PATH_MAX = 4096  # longest string read from the cache (Linux PATH_MAX)
+_FILE_NAME_RE = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")
 
 FLAG_ELF_LIBC6 = 0x0003
 FLAG_X8664_LIB64 = 0x0300
@@ -140,9 +147,10 @@ def _parse_new(data: bytes, base: int) -> tuple[CacheEntry, ...]:
 
 
 def _cstr(data: bytes, offset: int) -> str:
-    end = data.find(b"\0", offset)
+    end = data.find(b"\0", offset, offset + _PATH_MAX)
     if offset >= len(data) or end < 0:
-        raise LdCacheError(f"string offset {offset} outside the file")
+        raise LdCacheError(f"string at offset {offset} is outside the file or longer than "
+                           f"{_PATH_MAX} bytes")
     return data[offset:end].decode("utf-8", errors="surrogateescape")
 
 
@@ -204,12 +212,15 @@ class Locator:
 
     def _read_cache(self) -> tuple[CacheEntry, ...]:
         where = self.host_path(LD_SO_CACHE)
-        resolved = self.resolve(LD_SO_CACHE)
+        resolved = self.regular_file(LD_SO_CACHE)  # never open a FIFO or a device
         if resolved is None:
             return ()
         try:
             with open(self.local_path(resolved), "rb") as f:
-                return parse_ld_so_cache(f.read())
+                data = f.read(_MAX_CACHE_BYTES + 1)
+            if len(data) > _MAX_CACHE_BYTES:
+                raise LdCacheError(f"larger than {_MAX_CACHE_BYTES} bytes")
+            return parse_ld_so_cache(data)
         except (OSError, LdCacheError) as e:
             self.problems.append(Problem(where, f"cannot read the loader cache ({e}); "
                                                 "searching the standard directories only"))
@@ -308,12 +319,15 @@ class Locator:
     def soname_of(self, path: str) -> str:
         """A library's soname: its ELF DT_SONAME, else the name of a symlink beside it
         that resolves to it and whose name extends the unversioned one (libcuda.so.1
-        for libcuda.so.550.54.15), else its file name."""
-        info = read_elf(self.local_path(path))
-        if info is not None and info.soname:
-            return info.soname
+        for libcuda.so.550.54.15), else its file name. The soname names the file in the
+        container, so a DT_SONAME is used only when it is a plain file name extending
+        the unversioned one (never "../x" or "libc.so.6" for libcuda)."""
         parent, _, name = path.rpartition("/")
         stem = name.split(".so.", 1)[0] + ".so."
+        info = read_elf(self.local_path(path))
+        if info is not None and info.soname.startswith(stem) \
+                and _FILE_NAME_RE.fullmatch(info.soname):
+            return info.soname
         links = [n for n in self.listdir(parent or "/")
                  if n != name and n.startswith(stem) and self.resolve(f"{parent}/{n}") == path]
         return min(links, key=lambda n: (len(n), n)) if links else name

@@ -34,7 +34,9 @@ What it finds:
     mig-monitor /dev/nvidia-caps/nvidia-cap<N> of capabilities/mig/monitor
   Libraries are only the exact `<name>.so.<driver version>` files; each is mounted
   read-only at /usr/local/nvidia/lib64/<soname> (lib/ for compat32), binaries at
-  /usr/bin/<name>, firmware and IPC paths where the driver root has them.
+  /usr/bin/<name>, firmware and IPC paths where the driver root has them. An IPC
+  path's last component must be the socket or directory itself, never a symlink (the
+  MPS pipe directory lives in world-writable /tmp): anything else is a Problem.
 
 Device nodes are taken with lstat: major/minor from the node itself, a symlink or a
 non-device refused with a Problem (and left out), never followed. A node whose
@@ -46,10 +48,11 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 import re
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -451,10 +454,22 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         return [Mount(locator.host_path(p), f"{BIN_DIR}/{n}")
                 for n in names if (p := locator.find_binary(n)) is not None]
 
-    def ipc(path: str) -> list[Mount]:
-        resolved = locator.resolve(path)
-        return [Mount(locator.host_path(resolved), resolved, options=IPC_OPTIONS)] \
-            if resolved is not None else []
+    def ipc(path: str, is_kind: Callable[[int], bool], kind: str) -> list[Mount]:
+        # The last component is taken as it is, never followed: a link planted there
+        # (/tmp is world-writable) would otherwise bind any host directory.
+        parent = locator.resolve(posixpath.dirname(path))
+        if parent is None:
+            return []
+        leaf = posixpath.join(parent, posixpath.basename(path))
+        try:
+            mode = os.lstat(locator.local_path(leaf)).st_mode
+        except OSError:
+            return []
+        if not is_kind(mode):
+            scan.problems.append(Problem(locator.host_path(leaf), (
+                f"is not a {kind} (a symlink is not followed): it is not mounted")))
+            return []
+        return [Mount(locator.host_path(leaf), leaf, options=IPC_OPTIONS)]
 
     def nodes(*maybe: DeviceNode | None) -> tuple[DeviceNode, ...]:
         return tuple(n for n in maybe if n is not None)
@@ -470,7 +485,8 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         scan.node("nvidia-uvm", what="/dev/nvidia-uvm (compute)"),
         scan.node("nvidia-uvm-tools", what="/dev/nvidia-uvm-tools (compute)", required=False),
     )
-    compute_core = ContainerEdits(device_nodes=uvm, mounts=(*compute_libs, *ipc(MPS_PIPE_DIR)))
+    compute_core = ContainerEdits(device_nodes=uvm, mounts=(
+        *compute_libs, *ipc(MPS_PIPE_DIR, stat.S_ISDIR, "directory")))
     ctl = scan.node("nvidiactl", expect=(NVIDIA_MAJOR, NVIDIACTL_MINOR), what="every NVIDIA "
                     "capability (/dev/nvidiactl)")
     modeset = scan.node("nvidia-modeset", expect=(NVIDIA_MAJOR, MODESET_MINOR),
@@ -479,7 +495,8 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         "": ContainerEdits(device_nodes=nodes(ctl)),
         "utility": ContainerEdits(mounts=(
             *libs(UTILITY_LIBS, locator.arch, LIB_DIR), *bins(UTILITY_BINS), *firmware,
-            *ipc(PERSISTENCED_SOCKET), *ipc(FABRICMANAGER_SOCKET))),
+            *ipc(PERSISTENCED_SOCKET, stat.S_ISSOCK, "socket"),
+            *ipc(FABRICMANAGER_SOCKET, stat.S_ISSOCK, "socket"))),
         "compute": compute_core.merged(ContainerEdits(mounts=(*bins(COMPUTE_BINS),
                                                               *firmware))),
         "video": ContainerEdits(mounts=tuple(libs(VIDEO_LIBS, locator.arch,

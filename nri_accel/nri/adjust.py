@@ -35,6 +35,8 @@ from google.protobuf import json_format
 from nri_accel.inventory import ContainerEdits, DeviceNode, Hook, Mount, merge_edits
 from nri_accel.nri import nri_pb2 as pb
 
+MAX_MEMO_ENV_CHARS = 16384  # adjustments whose env is larger are not memoised
+
 # CDI/OCI hook names (Hook.hook_name) -> fields of nri Hooks.
 HOOK_FIELDS = {
     "prestart": "prestart",
@@ -55,17 +57,18 @@ def build_adjustment(
 
     Raises ValueError for a hook whose name is not an OCI hook point.
     """
-    return pb.ContainerAdjustment.FromString(_encoded_adjustment(
-        edits, tuple(sorted(annotations.items())) if annotations else (),
-        tuple(sorted(set(cdi_devices)))))
+    args = (edits, tuple(sorted(annotations.items())) if annotations else (),
+            tuple(sorted(set(cdi_devices))))
+    # The env carries the container's own LD_LIBRARY_PATH, of any size: an adjustment
+    # with a large env is built and not remembered, so the memo stays small.
+    if sum(map(len, edits.env)) > MAX_MEMO_ENV_CHARS:
+        return pb.ContainerAdjustment.FromString(_encode(*args))
+    return pb.ContainerAdjustment.FromString(_encoded_adjustment(*args))
 
 
-@functools.lru_cache(maxsize=1024)
-def _encoded_adjustment(edits: ContainerEdits, annotations: tuple[tuple[str, str], ...],
-                        cdi_devices: tuple[str, ...]) -> bytes:
-    """The adjustment's wire bytes. A node hands out few distinct edits (one per device
-    set and capability set), so these are built once: decoding the cached bytes costs
-    a tenth of building the message field by field."""
+def _encode(edits: ContainerEdits, annotations: tuple[tuple[str, str], ...],
+            cdi_devices: tuple[str, ...]) -> bytes:
+    """The adjustment's wire bytes."""
     edits = merge_edits((edits,))
     adj = pb.ContainerAdjustment()
     adj.annotations.update(annotations)
@@ -85,6 +88,12 @@ def _encoded_adjustment(edits: ContainerEdits, annotations: tuple[tuple[str, str
         getattr(adj.hooks, field).append(nri_hook(hook))
     adj.CDI_devices.extend(pb.CDIDevice(name=n) for n in cdi_devices)
     return adj.SerializeToString(deterministic=True)
+
+
+# A node hands out few distinct edits (one per device set and capability set), so their
+# bytes are built once: decoding the cached bytes costs a tenth of building the message
+# field by field.
+_encoded_adjustment = functools.lru_cache(maxsize=1024)(_encode)
 
 
 def linux_device(node: DeviceNode) -> pb.LinuxDevice:

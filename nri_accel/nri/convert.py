@@ -2,8 +2,9 @@
 
 Owns: PodSandbox + Container -> nri_accel.request.ContainerInfo, and the
 (container id, annotations) pairs of a Synchronize that Engine.restore takes, so
-that nothing outside nri_accel.nri reads a protobuf field. Imports
-nri_accel.request and this package's nri_pb2; pure functions.
+that nothing outside nri_accel.nri reads a protobuf field. Imports nri_accel.policy
+(which container annotations are the container's own), nri_accel.request and this
+package's nri_pb2; pure functions.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from types import MappingProxyType
 
 from nri_accel.nri import nri_pb2 as pb
+from nri_accel.policy import Policy
 from nri_accel.request import ContainerInfo
 
 
@@ -32,10 +34,18 @@ def container_info(pod: pb.PodSandbox, container: pb.Container) -> ContainerInfo
 
 
 def live_containers(
-    containers: Iterable[pb.Container],
+    containers: Iterable[pb.Container], pods: Iterable[pb.PodSandbox] = (),
 ) -> Iterator[tuple[str, Mapping[str, str]]]:
-    """(id, annotations) of every synchronised container that has not stopped."""
+    """(id, own annotations) of every synchronised container that has not stopped. An
+    annotation whose key its pod (among `pods`) also carries is the runtime's copy of the
+    pod's, written by whoever wrote the pod, and is left out
+    (Policy.container_annotation_trusted)."""
+    pod_annotations = {p.id: p.annotations for p in pods}
     for c in containers:
-        if c.state != pb.CONTAINER_STOPPED:
-            yield c.id, MappingProxyType(dict(c.annotations))
+        if c.state == pb.CONTAINER_STOPPED:
+            continue
+        of_pod = pod_annotations.get(c.pod_sandbox_id, {})
+        yield c.id, MappingProxyType({
+            k: v for k, v in c.annotations.items()
+            if Policy.container_annotation_trusted(k, of_pod)})
 

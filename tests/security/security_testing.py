@@ -1,0 +1,53 @@
+"""Helpers for the security tests: the demo node, Engines under each policy, containers.
+
+`demo_inventory()` is the built-in demo node (nri_accel/demo/inventory.json: 8 x A100 on
+2 NUMA nodes, GPU 7 in MIG mode with three MIG devices, the driver's files by capability).
+`container()` builds the ContainerInfo that nri/convert.py builds from an NRI
+CreateContainer request (pod and container annotations, the OCI process env).
+`DEVICE_PLUGIN_KEY` is the container annotation kubelet copies from nri-accel's device
+plugin Allocate response: the one source a pod author cannot write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+from nri_accel.config import Config, DevicesConfig, PolicyConfig
+from nri_accel.engine import Engine
+from nri_accel.inventory import Inventory
+from nri_accel.request import GRANT_KEY_PREFIX, ContainerInfo
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_INVENTORY = REPO / "nri_accel" / "demo" / "inventory.json"
+DEVICE_PLUGIN_KEY = GRANT_KEY_PREFIX + "nvidia.com_gpu"
+TRUSTED_NS = "gpu-operator"
+
+_DEMO: list[Inventory] = []
+
+
+def demo_inventory() -> Inventory:
+    if not _DEMO:
+        _DEMO.append(Inventory.load(DEMO_INVENTORY))
+    return _DEMO[0]
+
+
+def config(mode: str = "kubernetes", *, hooks: bool = False, hook_path: str = "") -> Config:
+    return Config(policy=PolicyConfig(mode=mode, trusted_namespaces=frozenset({TRUSTED_NS})),
+                  devices=DevicesConfig(hooks=hooks, hook_path=hook_path))
+
+
+def engine(mode: str = "kubernetes", inventory: Inventory | None = None, **kw: object) -> Engine:
+    return Engine(inventory or demo_inventory(), config(mode, **kw))  # type: ignore[arg-type]
+
+
+def container(*, pod: Mapping[str, str] | None = None, ctr: Mapping[str, str] | None = None,
+              env: Iterable[str] = (), namespace: str = "default", name: str = "main",
+              cid: str = "c0", pod_name: str = "pod-0") -> ContainerInfo:
+    return ContainerInfo(
+        namespace=namespace, pod_name=pod_name, pod_uid="6b1c1a6e-0000-4000-8000-0000000001",
+        container_name=name, container_id=cid,
+        pod_annotations=MappingProxyType(dict(pod or {})),
+        container_annotations=MappingProxyType(dict(ctr or {})),
+        env=tuple(env))

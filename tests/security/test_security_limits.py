@@ -1,0 +1,130 @@
+"""Resource exhaustion and log injection: what a pod author sends is bounded in what the
+daemon keeps and parses, and what it logs or sends back is printable and short."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import re
+import tracemalloc
+from collections.abc import Iterator
+
+import pytest
+import structlog
+from security_testing import DEVICE_PLUGIN_KEY, container, engine
+from structlog.testing import capture_logs
+
+from nri_accel.engine import ANNOTATION_GRANTED
+from nri_accel.errors import RequestError
+from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri.adjust import build_adjustment
+from nri_accel.nri.simulator import make_container, make_pod
+from nri_accel.plugin import AccelPlugin
+from nri_accel.request import MAX_ENV_READ_CHARS, MAX_NAME_CHARS
+
+MIB = 1 << 20
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _retained(fn: object, rounds: int) -> int:
+    """Bytes still allocated after calling fn(i) for each round (caches included)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(rounds):
+            fn(i)  # type: ignore[operator]
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_memos_do_not_keep_large_container_env() -> None:
+    # Each container has its own 1 MiB of env that nri-accel does not read, and its own
+    # 1 MiB LD_LIBRARY_PATH (which it extends): none of it may stay behind in a memo.
+    eng = engine("standalone")
+
+    def plan(i: int) -> None:
+        info = container(cid=f"c{i}", env=[
+            "NVIDIA_VISIBLE_DEVICES=0", f"LD_LIBRARY_PATH=/lib{i}:" + "x" * MIB,
+            f"JUNK{i}=" + "y" * MIB])
+        p = eng.plan(info)
+        build_adjustment(p.edits, p.annotations, p.cdi_devices)
+        eng.release(info.container_id)
+
+    assert _retained(plan, 16) < 4 * MIB  # 32 MiB would stay if the memos kept them
+
+
+def test_variables_nri_accel_reads_are_bounded_in_total() -> None:
+    many = [f"NVIDIA_REQUIRE_X{i}=" + ",".join(["cuda>=1.0"] * 300) for i in range(500)]
+    with pytest.raises(RequestError, match=f"more than {MAX_ENV_READ_CHARS}") as err:
+        engine().plan(container(ctr={DEVICE_PLUGIN_KEY: "nvidia.com/gpu=0"}, env=many))
+    assert err.value.source.startswith("env NVIDIA_REQUIRE_X")
+    dup = ["NVIDIA_VISIBLE_DEVICES=" + "0," * 2000 + "0"] * 10
+    with pytest.raises(RequestError, match="more than"):
+        engine().plan(container(env=dup))
+    # Variables it does not read are not counted.
+    ok = engine().plan(container(ctr={DEVICE_PLUGIN_KEY: "nvidia.com/gpu=0"},
+                                 env=[f"OTHER{i}=" + "z" * 4000 for i in range(100)]))
+    assert ok.qualified_names == ("nvidia.com/gpu=0",)
+
+
+HOSTILE_NAME = "\x1b]2;pwned\x07\n{\"level\":\"error\"}" + "k" * 5000
+
+
+@pytest.mark.parametrize("where", [
+    {"pod": {"devices.nri-accel.io/" + HOSTILE_NAME: "x"}},
+    {"pod": {"cdi.k8s.io/" + HOSTILE_NAME: "not a name"}},
+    {"ctr": {"cdi.k8s.io/" + HOSTILE_NAME: "not a name"}},
+    {"env": [f"NVIDIA_REQUIRE_{HOSTILE_NAME}=cuda>=1"]},
+])
+def test_errors_name_hostile_keys_printably_and_briefly(where: dict[str, object]) -> None:
+    with pytest.raises(RequestError) as err:
+        engine("standalone").plan(container(**where))  # type: ignore[arg-type]
+    text = str(err.value)
+    assert not CONTROL.search(text) and len(err.value.source) < MAX_NAME_CHARS
+    assert len(text) < 1024
+
+
+@pytest.fixture
+def info_logs() -> Iterator[None]:
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+
+
+@pytest.mark.usefixtures("info_logs")
+def test_log_lines_escape_control_characters_in_names() -> None:
+    pod = make_pod({"name": "p\n{\"event\":\"forged\"}", "namespace": "ns\x1b[2J"})
+    accel = AccelPlugin(engine("standalone"))
+    ok = make_container(pod, {"name": "c\x1b[31m" + "n" * 1000, "annotations": {
+        "devices.nri-accel.io": "nvidia.com/gpu=0"}})
+    bad = make_container(pod, {"name": "d\r\x00", "annotations": {
+        "devices.nri-accel.io": "nvidia.com/gpu=" + "9" * 100 + "\x1b"}})
+    with capture_logs() as logs:
+        accel.create_container(pod, ok)
+        with pytest.raises(RequestError):
+            accel.create_container(pod, bad)
+    assert [e["event"] for e in logs] == ["container_created", "container_refused"]
+    for line in logs:
+        for key in ("namespace", "pod", "container", "error", "source"):
+            value = line.get(key, "")
+            assert not CONTROL.search(value) and len(value) < 1100, (key, value)
+
+
+def test_synchronize_with_many_containers_and_junk_records() -> None:
+    eng = engine("standalone")
+    pod = make_pod({"name": "p"})
+    junk = ["x" * 65536, ",".join(["a/b=c"] * 5000), "nvidia.com/gpu=", "\x00\n", "=,=,="]
+    containers = [pb.Container(id=f"c{i}", pod_sandbox_id=pod.id,
+                               state=pb.CONTAINER_RUNNING,
+                               annotations={ANNOTATION_GRANTED: junk[i % len(junk)]})
+                  for i in range(2000)]
+    real = make_container(pod, {"name": "real", "state": "CONTAINER_RUNNING",
+                                "annotations": {ANNOTATION_GRANTED: "nvidia.com/gpu=2"}})
+    AccelPlugin(eng).synchronize([pod], [*containers, real])
+    assert eng.holdings() == {real.id: ("nvidia.com/gpu=2",)}
