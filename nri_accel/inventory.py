@@ -34,6 +34,15 @@ KIND_MIG = "nvidia.com/mig"
 KIND_NEURON = "aws.amazon.com/neuron"
 
 
+def vendor_of(kind: str) -> str:
+    """The vendor part of a kind ("nvidia.com" for GPUs and MIG devices): limits and
+    NVIDIA_VISIBLE_DEVICES=none act per vendor, as the request policy decides per vendor."""
+    return kind.partition("/")[0]
+
+
+NVIDIA_VENDOR = vendor_of(KIND_GPU)  # "nvidia.com": GPUs and MIG devices
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceNode:
     """A device node to create in the container (CDI deviceNodes entry)."""

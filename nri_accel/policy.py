@@ -21,9 +21,9 @@ Modes (config ``[policy]``):
 - "standalone": every origin grants (a node without a device plugin, podman, nerdctl).
 
 decide() turns that into a verdict per device claim. `vendor_granted` says whether a
-higher-ranked source already granted devices of the claim's vendor (select.vendor_of: the
-part of the kind before "/", so nvidia.com covers GPUs and MIG devices). Such a claim only
-narrows (LIMIT),
+higher-ranked source already granted devices of the claim's vendor (inventory.vendor_of:
+the part of the kind before "/", so nvidia.com covers GPUs and MIG devices). Such a claim
+only narrows (LIMIT),
 whatever its origin may grant, so a CUDA image's NVIDIA_VISIBLE_DEVICES=all never widens
 an allocation. A claim with nothing to narrow that may not grant is REFUSED when it is an
 explicit pod annotation and IGNORED (with a note) when it comes from env, because every

@@ -3,8 +3,8 @@
 Owns: ContainerInfo, DeviceClaim, Request, parse_request() and the syntax of every
 annotation and environment variable nri-accel reads (the user-facing reference is
 README.md, "Requesting devices"). Imports nri_accel.errors, nri_accel.inventory (kind
-names), nri_accel.policy (every trust decision), nri_accel.requirements and
-nri_accel.select (vendor_of(), the one definition of which kinds narrow each other);
+names and vendor_of(), the one definition of which kinds narrow each other),
+nri_accel.policy (every trust decision) and nri_accel.requirements;
 PyYAML only for the NRI device-injector's YAML list annotation. Pure: no I/O, no
 logging, same input -> same Request.
 
@@ -41,7 +41,7 @@ from functools import lru_cache
 import yaml
 
 from nri_accel.errors import PolicyError, RequestError
-from nri_accel.inventory import KIND_GPU, KIND_NEURON
+from nri_accel.inventory import KIND_GPU, KIND_NEURON, NVIDIA_VENDOR, vendor_of
 from nri_accel.policy import Origin, Policy, Verdict
 from nri_accel.requirements import (
     REQUIRE_PREFIX,
@@ -49,7 +49,6 @@ from nri_accel.requirements import (
     legacy_cuda_image,
     requirements_from_env,
 )
-from nri_accel.select import vendor_of
 
 DEVICES_KEY = "devices.nri-accel.io"
 CAPABILITIES_KEY = "capabilities.nri-accel.io"
@@ -76,7 +75,6 @@ ALL_CAPABILITIES = frozenset(
     {"compute", "compat32", "graphics", "utility", "video", "display", "ngx"})
 DEFAULT_CAPABILITIES = frozenset({"utility", "compute"})
 
-NVIDIA_VENDOR = vendor_of(KIND_GPU)
 MAX_VALUE_BYTES = 4096
 MAX_IDS = 256
 # All the env entries nri-accel reads together (an image may define any number of
@@ -123,7 +121,7 @@ class DeviceClaim:
 
     Exactly one form: `ids` (as written, ranges expanded, duplicates dropped, order
     kept), `count` (N devices the allocator picks) or `all`. A limit with `count` means
-    "at most N of the devices granted for that vendor" (select.vendor_of: the part of the
+    "at most N of the devices granted for that vendor" (inventory.vendor_of: the part of the
     kind before "/", so nvidia.com covers GPUs and MIG devices).
     """
 

@@ -1,8 +1,10 @@
 """Selection: which inventory devices a container's Request gets.
 
-Owns: resolving device ids against the Inventory (DeviceIndex), the count allocator,
-limits, NVIDIA_REQUIRE_* checks per granted GPU, and the Selection record. Imports the
-standard library, nri_accel.errors, nri_accel.inventory and (for types) nri_accel.request.
+Owns: resolving device ids against the Inventory (DeviceIndex), serving counts (the
+choice itself is nri_accel.topology's), limits, NVIDIA_REQUIRE_* checks per granted GPU,
+and the Selection record. Imports the standard library, nri_accel.errors,
+nri_accel.inventory, nri_accel.topology and (for types) nri_accel.request and
+nri_accel.requirements.
 Pure functions over frozen data: no I/O, no NVML, no logging. The allocation *state*
 (which running container holds what) lives in nri_accel.engine and comes in as `busy`.
 
@@ -17,11 +19,12 @@ Semantics (the NVIDIA ones follow libnvidia-container's select_devices):
   use), except for a container asking for MIG config or monitor capabilities.
 - `all` is every healthy device of the kind. For nvidia.com/gpu that is every healthy GPU,
   MIG-enabled ones included, plus every healthy MIG device: the toolkit's `all`.
-- A count is served by the allocator from free healthy devices (GPUs in MIG mode are
-  never chosen by count). It prefers one NUMA node, then the set with the most direct
-  links (NVLink, NeuronLink) inside it, then the set that breaks the fewest links between
-  free devices (keeps linked groups whole for later requests), then the NUMA node with the
-  fewest free devices (best fit), then index order.
+- A count is served from free healthy devices (GPUs in MIG mode are never chosen by
+  count) by nri_accel.topology.choose, the policy the device plugin's
+  GetPreferredAllocation shares: one NUMA node, then the most direct links (NVLink,
+  NeuronLink) inside the set, then the fewest links broken between free devices, then
+  the NUMA node with the fewest free devices (best fit), then index order; spanning as
+  few NUMA nodes as possible when no one node has enough.
 - Exclusivity: a device granted by count or by explicit id is *held*; the allocator never
   picks a held device for a count, so a device chosen by count is never handed to two
   running containers by count. Explicit ids and `all` do not check holdings: they come
@@ -47,22 +50,24 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from nri_accel.errors import AllocationError, PolicyError, RequestError
-from nri_accel.inventory import KIND_GPU, KIND_MIG, Device, Inventory
+from nri_accel.inventory import (
+    KIND_GPU,
+    KIND_MIG,
+    NVIDIA_VENDOR,
+    Device,
+    Inventory,
+    vendor_of,
+)
+from nri_accel.topology import Topology
+from nri_accel.topology import choose as choose_positions
 
 if TYPE_CHECKING:
     from nri_accel.request import DeviceClaim, Request
     from nri_accel.requirements import Requirements
 
-NVIDIA_VENDOR = "nvidia.com"
 _MAX_ECHO = 64  # longest user-supplied id echoed back in an error message
 _MAX_LISTED = 16  # most device names listed in an "unknown device" error
 _MEMO_SIZE = 4096  # requirement checks remembered per inventory before starting over
-
-
-def vendor_of(kind: str) -> str:
-    """The vendor part of a kind ("nvidia.com" for GPUs and MIG devices): limits and
-    NVIDIA_VISIBLE_DEVICES=none act per vendor, as the request policy decides per vendor."""
-    return kind.partition("/")[0]
 
 
 def mig_enabled(device: Device) -> bool:
@@ -95,11 +100,11 @@ class DeviceIndex:
 
     Devices are numbered by their position in the inventory (its sort order); links and
     sets of devices are bit masks over those positions, so the allocator does integer
-    arithmetic rather than string work.
+    arithmetic rather than string work (`topology`: NUMA nodes and links by position).
     """
 
     __slots__ = ("_all", "_by_name", "_checked", "_countable", "_describe", "_pci", "_pos",
-                 "devices", "inventory", "link_masks", "qualified_names")
+                 "devices", "inventory", "qualified_names", "topology")
 
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
@@ -126,16 +131,12 @@ class DeviceIndex:
             kind: tuple(self._pos[id(d)] for d in inventory.of_kind(kind)
                         if d.healthy and not mig_enabled(d))
             for kind in inventory.kinds()})
-        # Links made symmetric and restricted to same-kind devices that exist.
-        masks = [0] * len(devices)
-        for i, d in enumerate(devices):
-            for peer in d.links:
-                other = self._by_name.get((d.kind, peer))
-                if other is not None and other is not d:
-                    j = self._pos[id(other)]
-                    masks[i] |= 1 << j
-                    masks[j] |= 1 << i
-        self.link_masks = tuple(masks)
+        # Links restricted to same-kind devices that exist (Topology makes them symmetric).
+        peers = []
+        for d in devices:
+            linked = (self._by_name.get((d.kind, name)) for name in d.links)
+            peers.append([self._pos[id(o)] for o in linked if o is not None])
+        self.topology = Topology.build([d.numa_node for d in devices], peers)
         self._describe = MappingProxyType({k: _describe_kind(k, inventory)
                                            for k in (*inventory.kinds(), KIND_GPU)})
         self._checked: dict[tuple[tuple[tuple[str, str], ...], int],
@@ -329,67 +330,13 @@ def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Container[str],
             f"asks for {count} {kind} but only {len(free)} of {total} are free "
             f"(free: {free_names}; the others are held by running containers, "
             "unhealthy or in MIG mode)", source=claim.source)
-    return tuple(index.devices[p] for p in _choose(index, free, count))
+    return tuple(index.devices[p] for p in choose_positions(index.topology, free, count))
 
 
 def choose(index: DeviceIndex, free: Iterable[Device], count: int) -> tuple[Device, ...]:
-    """The best `count` devices among `free` (see the module docstring for the order)."""
-    positions = sorted(index.position(d) for d in free)
-    return tuple(index.devices[p] for p in _choose(index, positions, count))
-
-
-def _choose(index: DeviceIndex, positions: list[int], count: int) -> tuple[int, ...]:
-    """choose() over positions (ascending)."""
-    free_mask = 0
-    groups: dict[int | None, list[int]] = {}
-    for p in positions:
-        free_mask |= 1 << p
-        groups.setdefault(index.devices[p].numa_node, []).append(p)
-    best: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-    for members in groups.values():
-        if len(members) < count:
-            continue
-        (inside, broken), chosen = _best_linked(index.link_masks, members, count, free_mask)
-        key = (inside, broken, len(members), *chosen)
-        if best is None or key < best[0]:
-            best = (key, chosen)
-    if best is not None:
-        return best[1]
-    # No single NUMA node can serve it: span nodes.
-    return _best_linked(index.link_masks, positions, count, free_mask)[1]
-
-
-def _best_linked(links: tuple[int, ...], members: list[int], count: int,
-                 free_mask: int) -> tuple[tuple[int, int], tuple[int, ...]]:
-    """Greedy from every seed (members ascending): add the member with the most links into
-    the set so far, the lowest position among equals. Returns ((-links inside, free links
-    broken), chosen positions ascending) of the best set, the lowest positions among equals.
-    """
-    best: tuple[tuple[int, ...], tuple[int, int], tuple[int, ...]] | None = None
-    for seed in members:
-        chosen = [seed]
-        mask = 1 << seed
-        inside = 0
-        while len(chosen) < count:
-            pick, most = -1, -1
-            for p in members:
-                if not mask >> p & 1:
-                    n = (links[p] & mask).bit_count()
-                    if n > most:
-                        pick, most = p, n
-            chosen.append(pick)
-            mask |= 1 << pick
-            inside += most
-        outside = free_mask & ~mask
-        broken = 0
-        for p in chosen:
-            broken += (links[p] & outside).bit_count()
-        chosen.sort()
-        key = (-inside, broken, *chosen)
-        if best is None or key < best[0]:
-            best = (key, (-inside, broken), tuple(chosen))
-    assert best is not None
-    return best[1], best[2]
+    """The best `count` devices among `free` (nri_accel.topology.choose's order)."""
+    positions = [index.position(d) for d in free]
+    return tuple(index.devices[p] for p in choose_positions(index.topology, positions, count))
 
 
 # ---- limits and requirements -----------------------------------------------------------

@@ -4,8 +4,8 @@ Owns: which extended resources nri-accel advertises and under which device IDs, 
 choice of a preferred allocation, and the trusted grant annotation that Allocate writes
 (its key and value; nri_accel.request reads it back). Pure functions over
 frozen dataclasses: no grpc, no I/O. Imports the standard library, nri_accel.config,
-nri_accel.errors, nri_accel.inventory and nri_accel.request (the grant annotation key),
-never grpc.
+nri_accel.errors, nri_accel.inventory, nri_accel.request (the grant annotation key) and
+nri_accel.topology (the choice itself, shared with the Engine), never grpc.
 
 Resources (one kubelet device plugin each):
 - `nvidia.com/gpu`: whole GPUs, except those in MIG mode (attribute mig_mode=enabled),
@@ -38,6 +38,7 @@ from nri_accel.config import Config
 from nri_accel.errors import AllocationError
 from nri_accel.inventory import KIND_GPU, KIND_MIG, KIND_NEURON, Device, Inventory, Problem
 from nri_accel.request import GRANT_KEY_PREFIX
+from nri_accel.topology import Topology, choose
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -71,10 +72,17 @@ class Resource:
     _by_id: Mapping[str, int] = field(
         default_factory=lambda: MappingProxyType({}), compare=False, repr=False
     )
+    # NUMA nodes and links by position (built from `devices`), for preferred_allocation.
+    topology: Topology = field(
+        default_factory=lambda: Topology((), ()), init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         index = {d.id: i for i, d in enumerate(self.devices)}
         object.__setattr__(self, "_by_id", MappingProxyType(index))
+        object.__setattr__(self, "topology", Topology.build(
+            [d.numa_node for d in self.devices],
+            [[index[p] for p in d.links if p in index] for d in self.devices]))
 
     def device(self, device_id: str) -> PluginDevice | None:
         i = self._by_id.get(device_id)
@@ -224,84 +232,19 @@ def preferred_allocation(
 ) -> tuple[str, ...]:
     """`size` device IDs from `available`, including `must_include`, in inventory order.
 
-    Preference: all on one NUMA node (the node of the must-include devices first, then
-    the set with the most direct links among its devices, then the smallest node that
-    fits, keeping larger nodes whole for larger requests); when no node fits, whole
-    NUMA nodes, largest first, and the remainder chosen as above. Within a node, devices
-    are added greedily by links to those already chosen. IDs the resource does not know
-    are never chosen beyond the must-include ones. Deterministic.
+    The devices are chosen by nri_accel.topology.choose, the policy the Engine uses for a
+    count (one NUMA node, then links, then links broken, then best fit), with the known
+    must-include devices pre-chosen. IDs the resource does not know are never chosen
+    beyond the must-include ones, which are kept (last, in the order given) and count
+    towards `size`. A `size` that must-include alone reaches answers must-include; one
+    at least the number available answers every available ID. Deterministic.
     """
-    order = resource.position
-    must = sorted(dict.fromkeys(must_include), key=order)
-    need = size - len(must)
-    if need <= 0:
-        return tuple(must)
-    taken = set(must)
-    pool = sorted((i for i in dict.fromkeys(available)
-                   if i not in taken and resource.device(i) is not None), key=order)
-    if need >= len(pool):
-        return tuple(sorted(must + pool, key=order))
-
-    groups: dict[int | None, list[str]] = {}
-    for i in pool:
-        groups.setdefault(_numa(resource, i), []).append(i)
-    must_numas = {_numa(resource, i) for i in must}
-    chosen = list(must)
-    while need > 0:
-        fitting = [n for n, g in groups.items() if len(g) >= need]
-        if fitting:
-            options = {n: _grow(resource, chosen, groups[n], need) for n in fitting}
-            best = min(fitting, key=lambda n: (
-                n not in must_numas,
-                -_link_count(resource, chosen + options[n]),
-                len(groups[n]),
-                _numa_key(n),
-            ))
-            chosen += options[best]
-            break
-        whole = max(groups, key=lambda n: (n in must_numas, len(groups[n]), _neg_numa_key(n)))
-        chosen += groups.pop(whole)
-        need = size - len(chosen)
-    return tuple(sorted(chosen, key=order))
-
-
-def _numa(resource: Resource, device_id: str) -> int | None:
-    dev = resource.device(device_id)
-    return None if dev is None else dev.numa_node
-
-
-def _numa_key(n: int | None) -> tuple[bool, int]:
-    return (n is None, n or 0)
-
-
-def _neg_numa_key(n: int | None) -> tuple[bool, int]:
-    """Reverse of _numa_key, for max(): lower NUMA ids win ties."""
-    return (n is not None, -(n or 0))
-
-
-def _grow(resource: Resource, chosen: list[str], candidates: list[str], need: int) -> list[str]:
-    """`need` devices from `candidates`, each the one with most links to those chosen so
-    far (then most links among the remaining candidates, then inventory order)."""
-    picked: list[str] = []
-    rest = list(candidates)
-    while len(picked) < need:
-        have = set(chosen) | set(picked)
-        left = set(rest)
-        best = max(rest, key=lambda i: (
-            len(have.intersection(_links(resource, i))),
-            len(left.intersection(_links(resource, i))),
-            -resource.position(i),
-        ))
-        picked.append(best)
-        rest.remove(best)
-    return picked
-
-
-def _links(resource: Resource, device_id: str) -> tuple[str, ...]:
-    dev = resource.device(device_id)
-    return () if dev is None else dev.links
-
-
-def _link_count(resource: Resource, ids: list[str]) -> int:
-    members = set(ids)
-    return sum(len(members.intersection(_links(resource, i))) for i in ids)
+    must = list(dict.fromkeys(must_include))
+    unknown = [i for i in must if resource.device(i) is None]
+    chosen = choose(
+        resource.topology,
+        [resource.position(i) for i in available if resource.device(i) is not None],
+        size - len(unknown),
+        [resource.position(i) for i in must if resource.device(i) is not None],
+    )
+    return tuple(resource.devices[p].id for p in chosen) + tuple(unknown)

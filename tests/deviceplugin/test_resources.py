@@ -18,6 +18,7 @@ from nri_accel.errors import AllocationError, RequestError
 from nri_accel.inventory import KIND_GPU, KIND_MIG, Device, Inventory
 from nri_accel.policy import Policy
 from nri_accel.request import ContainerInfo, parse_request
+from nri_accel.select import DeviceIndex, choose
 
 from .conftest import GPU0, GPU1, GPU2, MIG_A, MIG_B, MIG_C, NODE_CONFIG, node_inventory
 
@@ -222,8 +223,50 @@ def test_preferred_allocation_ignores_unknown_available_ids() -> None:
 
 
 def test_preferred_allocation_keeps_unknown_must_include_ids() -> None:
+    # The unknown ID counts towards the size; the one device added is GPU 2, whose peer
+    # (GPU 3) is not available, so taking it breaks no free link (0-1 stays whole).
     got = preferred_allocation(_topology(), _ids(0, 1, 2), ["GPU-gone"], 2)
-    assert got == ("GPU-0", "GPU-gone")
+    assert got == ("GPU-2", "GPU-gone")
+
+
+def test_one_device_comes_from_an_unlinked_gpu_not_a_linked_pair() -> None:
+    inv = Inventory(devices=(
+        Device(KIND_GPU, "0", uuid="GPU-0", numa_node=0, links=("1",)),
+        Device(KIND_GPU, "1", uuid="GPU-1", numa_node=0),  # the link is named by 0 only
+        Device(KIND_GPU, "2", uuid="GPU-2", numa_node=0),
+    ))
+    (res,), _ = resources_from_inventory(inv, Config())
+    assert preferred_allocation(res, _ids(0, 1, 2), [], 1) == ("GPU-2",)
+    index = DeviceIndex(inv)
+    assert [d.name for d in choose(index, inv.devices, 1)] == ["2"]
+
+
+def _agreement_inventory() -> Inventory:
+    """Two NUMA nodes of four plus two GPUs of unknown NUMA node; links named by one end
+    only, across nodes too (0-4), so both adapters must make them symmetric."""
+    links = {0: ("1", "4"), 2: ("3",), 4: ("5", "6", "7"), 5: ("6", "7"), 6: ("7",), 8: ("9",)}
+    return Inventory(devices=tuple(
+        Device(KIND_GPU, str(i), uuid=f"GPU-{i}", numa_node=i // 4 if i < 8 else None,
+               links=links.get(i, ()))
+        for i in range(10)))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_engine_and_preferred_allocation_choose_the_same_devices(count) -> None:
+    inv = _agreement_inventory()
+    (res,), _ = resources_from_inventory(inv, Config())
+    index = DeviceIndex(inv)
+    n = len(inv.devices)
+    checked = 0
+    for bits in range(1 << n):
+        free = [d for i, d in enumerate(inv.devices) if bits >> i & 1]
+        if len(free) < count:
+            continue
+        engine = [d.uuid for d in choose(index, free, count)]
+        plugin = preferred_allocation(res, [d.uuid for d in reversed(free)], [], count)
+        assert list(plugin) == engine, [d.name for d in free]
+        checked += 1
+    assert checked > 100
 
 
 def test_devices_without_numa_node_form_their_own_group() -> None:
