@@ -1,0 +1,499 @@
+"""Harness of the end-to-end test against a real containerd (test_containerd.py).
+
+Owns: the private containerd configuration (NRI on, CRI with a locally imported sandbox
+image, runc from the fetched packages, every path under one temporary directory), the
+containerd and `nri-accel run` subprocesses and their logs, the OCI image archive built
+in Python around a static pause binary compiled from pause.c, the CRI client compiled
+at test time from cri_api.proto, and the cleanup that leaves nothing behind (shims,
+runc containers, mounts, cgroups) even when a test fails half way, and the placeholder
+inventory for the container that starts. Imports the standard library and grpc_tools;
+no nri_accel module (it reads the inventory's JSON form).
+
+The binaries come from tests/e2e/fetch-containerd.sh: NRI_ACCEL_E2E_BIN names the
+directory holding containerd, ctr, containerd-shim-runc-v2 and runc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import io
+import itertools
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+E2E_DIR = Path(__file__).resolve().parent
+REPO = E2E_DIR.parents[1]
+BIN_ENV = "NRI_ACCEL_E2E_BIN"
+TOOLS = ("containerd", "ctr", "containerd-shim-runc-v2", "runc")
+NAMESPACE = "k8s.io"  # containerd's CRI namespace
+IMAGE = "e2e.nri-accel.local/pause:1"
+PLUGIN_NAME, PLUGIN_IDX = "nri-accel", "40"
+START_TIMEOUT = 20.0  # seconds for containerd to serve, or the plugin to register
+# The image's platform: the host's, in OCI (Go) architecture names.
+ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+
+
+class E2EError(RuntimeError):
+    """A step of the harness failed; the message says which and carries the output."""
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    """The last `lines` lines of a log file ('' if it does not exist)."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = START_TIMEOUT,
+             diagnose: Callable[[], str] = lambda: "") -> Any:
+    """Poll `check` until it returns something truthy; E2EError naming `what` if it
+    does not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise E2EError(f"timed out after {timeout:.0f} s waiting for {what}\n{diagnose()}")
+        time.sleep(0.05)
+
+
+def run_checked(argv: list[str], **kwargs: Any) -> str:
+    """Run a command, return its stdout; E2EError with its output if it fails."""
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, **kwargs)
+    if proc.returncode != 0:
+        raise E2EError(f"{' '.join(argv)} exited {proc.returncode}\n{proc.stdout}{proc.stderr}")
+    return proc.stdout
+
+
+# ---- the CRI client -------------------------------------------------------------------
+
+def compile_cri(out: Path) -> tuple[ModuleType, ModuleType]:
+    """Compile cri_api.proto into `out` with grpcio-tools; return (pb2, pb2_grpc)."""
+    from grpc_tools import protoc
+
+    out.mkdir(parents=True, exist_ok=True)
+    rc = protoc.main(["grpc_tools.protoc", f"-I{E2E_DIR}", f"--python_out={out}",
+                      f"--grpc_python_out={out}", str(E2E_DIR / "cri_api.proto")])
+    if rc != 0:
+        raise E2EError(f"protoc failed on {E2E_DIR / 'cri_api.proto'} (exit {rc})")
+    sys.path.insert(0, str(out))
+    try:
+        pb2 = importlib.import_module("cri_api_pb2")
+        pb2_grpc = importlib.import_module("cri_api_pb2_grpc")
+    finally:
+        sys.path.remove(str(out))
+    return pb2, pb2_grpc
+
+
+# ---- the image ------------------------------------------------------------------------
+
+def build_pause(out_dir: Path) -> Path:
+    """pause.c compiled with `cc -static`: an image needing no libc."""
+    binary = out_dir / "pause"
+    run_checked(["cc", "-static", "-Os", "-s", "-o", str(binary), str(E2E_DIR / "pause.c")])
+    return binary
+
+
+def _tar_member(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), mode, 0
+    info.uid = info.gid = 0
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _blob(blobs: dict[str, bytes], data: bytes, media_type: str) -> dict[str, Any]:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    blobs[digest] = data
+    return {"mediaType": media_type, "digest": digest, "size": len(data)}
+
+
+def write_image_archive(path: Path, binary: Path, name: str) -> None:
+    """An OCI image layout archive (what `ctr images import` reads) of one image `name`:
+    one uncompressed layer holding `binary` as /pause, the entrypoint."""
+    layer_buf = io.BytesIO()
+    with tarfile.open(fileobj=layer_buf, mode="w", format=tarfile.PAX_FORMAT) as layer:
+        _tar_member(layer, "pause", binary.read_bytes(), 0o755)
+    layer_bytes = layer_buf.getvalue()
+    blobs: dict[str, bytes] = {}
+    config = {
+        "architecture": ARCH, "os": "linux",
+        "config": {"Entrypoint": ["/pause"], "WorkingDir": "/"},
+        "rootfs": {"type": "layers",
+                   "diff_ids": ["sha256:" + hashlib.sha256(layer_bytes).hexdigest()]},
+    }
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": _blob(blobs, json.dumps(config).encode(),
+                        "application/vnd.oci.image.config.v1+json"),
+        "layers": [_blob(blobs, layer_bytes, "application/vnd.oci.image.layer.v1.tar")],
+    }
+    manifest_desc = _blob(blobs, json.dumps(manifest).encode(), manifest["mediaType"])
+    manifest_desc["annotations"] = {"io.containerd.image.name": name,
+                                    "org.opencontainers.image.ref.name": name.rpartition(":")[2]}
+    manifest_desc["platform"] = {"architecture": ARCH, "os": "linux"}
+    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+             "manifests": [manifest_desc]}
+    with tarfile.open(path, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        _tar_member(tar, "oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
+        _tar_member(tar, "index.json", json.dumps(index).encode())
+        for digest, data in sorted(blobs.items()):
+            _tar_member(tar, "blobs/sha256/" + digest.partition(":")[2], data)
+
+
+# ---- containerd ---------------------------------------------------------------------
+
+def overlay_works(scratch: Path) -> bool:
+    """Whether an overlay mount works here (inside some containers it does not): the
+    test containerd mounts done by containerd's overlayfs snapshotter."""
+    dirs = {n: scratch / n for n in ("lower", "upper", "work", "merged")}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    opts = f"lowerdir={dirs['lower']},upperdir={dirs['upper']},workdir={dirs['work']}"
+    mounted = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts,
+                              str(dirs["merged"])], capture_output=True).returncode == 0
+    if mounted:
+        subprocess.run(["umount", str(dirs["merged"])], check=True)
+    return mounted
+
+
+@dataclass
+class Containerd:
+    """A containerd with NRI and CRI, everything under `base`, run from `bin_dir`."""
+
+    bin_dir: Path
+    base: Path
+    snapshotter: str
+    cgroup_parent: str
+    proc: subprocess.Popen[bytes] | None = None
+    _log_file: Any = field(default=None, repr=False)
+
+    @property
+    def address(self) -> Path:
+        return self.base / "containerd.sock"
+
+    @property
+    def nri_socket(self) -> Path:
+        return self.base / "nri" / "nri.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.base / "containerd.log"
+
+    @property
+    def runc_root(self) -> Path:
+        return self.base / "runc"
+
+    def config_text(self) -> str:
+        b = self.base
+        cri = 'plugins."io.containerd.grpc.v1.cri"'
+        return f"""\
+version = 2
+root = "{b}/root"
+state = "{b}/state"
+
+[grpc]
+  address = "{self.address}"
+
+[debug]
+  level = "info"
+  format = "json"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{b}/opt"
+
+[plugins."io.containerd.nri.v1.nri"]
+  disable = false
+  disable_connections = false
+  socket_path = "{self.nri_socket}"
+  plugin_path = "{b}/nri/plugins"
+  plugin_config_path = "{b}/nri/conf.d"
+  plugin_registration_timeout = "5s"
+  plugin_request_timeout = "2s"
+
+[{cri}]
+  sandbox_image = "{IMAGE}"
+  disable_apparmor = true
+  # CRI asks runc for oom_score_adj -998 for a sandbox; lowering it needs
+  # CAP_SYS_RESOURCE, which containers (CI) often lack. Clamp to containerd's own.
+  restrict_oom_score_adj = true
+  disable_tcp_service = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_cdi = false
+
+[{cri}.containerd]
+  snapshotter = "{self.snapshotter}"
+  default_runtime_name = "runc"
+
+[{cri}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+[{cri}.containerd.runtimes.runc.options]
+  BinaryName = "{self.bin_dir / 'runc'}"
+  Root = "{self.runc_root}"
+  SystemdCgroup = false
+
+[{cri}.cni]
+  bin_dir = "{b}/cni/bin"
+  conf_dir = "{b}/cni/net.d"
+"""
+
+    def start(self) -> None:
+        for d in ("nri/plugins", "nri/conf.d", "cni/bin", "cni/net.d", "opt"):
+            (self.base / d).mkdir(parents=True, exist_ok=True)
+        config = self.base / "config.toml"
+        config.write_text(self.config_text())
+        env = dict(os.environ, PATH=f"{self.bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}")
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen([str(self.bin_dir / "containerd"), "--config", str(config)],
+                                     stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        wait_for("containerd to serve", self._serving, diagnose=self.diagnose)
+
+    def _serving(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise E2EError(f"containerd exited {self.proc.returncode}\n{self.diagnose()}")
+        if not (self.address.exists() and self.nri_socket.exists()):
+            return False
+        return subprocess.run(self._ctr_argv("version"), capture_output=True).returncode == 0
+
+    def _ctr_argv(self, *args: str) -> list[str]:
+        return [str(self.bin_dir / "ctr"), "--address", str(self.address),
+                "--namespace", NAMESPACE, *args]
+
+    def ctr(self, *args: str) -> str:
+        return run_checked(self._ctr_argv(*args))
+
+    def import_image(self, archive: Path) -> None:
+        self.ctr("images", "import", "--snapshotter", self.snapshotter, str(archive))
+
+    def container_spec(self, container_id: str) -> dict[str, Any]:
+        """The OCI runtime spec containerd stored for a container."""
+        return json.loads(self.ctr("containers", "info", "--spec", container_id))
+
+    def task_pid(self, container_id: str) -> int:
+        """The host pid of a started container's process (from runc's state)."""
+        state = run_checked([str(self.bin_dir / "runc"), "--root",
+                             str(self.runc_root / NAMESPACE), "state", container_id])
+        return int(json.loads(state)["pid"])
+
+    def log_entries(self) -> list[dict[str, Any]]:
+        """containerd's log, one dict per JSON line (other lines are skipped)."""
+        entries = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                entries.append(json.loads(line))
+        return entries
+
+    def messages(self) -> list[str]:
+        return [str(e.get("msg", "")) for e in self.log_entries()]
+
+    def diagnose(self) -> str:
+        """The end of containerd's log, minus the plugin loading chatter."""
+        lines = [f"{e.get('level', '?')}: {e.get('msg', '')}"
+                 + (f" (error: {e['error']})" if "error" in e else "")
+                 for e in self.log_entries() if not str(e.get("msg", "")).startswith(
+                     ("loading plugin", "skip loading plugin", "Start cri plugin with config"))]
+        return f"--- containerd log ({self.log_path}):\n" + "\n".join(lines[-40:])
+
+    def stop(self) -> None:
+        """Stop containerd and remove what it left: shims, runc containers, mounts,
+        cgroups, shim sockets. Safe to call after a partial start."""
+        shims = self._our_shims()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in shims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._delete_runc_containers()
+        self._remove_shim_sockets()
+        unmount_under(self.base)
+        remove_cgroup(self.cgroup_parent)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def _our_shims(self) -> list[int]:
+        """Pids of the shims serving this containerd: our shim binary (containerd runs
+        it by its resolved path), with our socket as its -address."""
+        shim = os.path.realpath(self.bin_dir / "containerd-shim-runc-v2")
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                exe = os.readlink(entry / "exe")
+                args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            pairs = set(itertools.pairwise(args))
+            if exe == shim and ("-address", str(self.address)) in pairs:
+                pids.append(int(entry.name))
+        return pids
+
+    def _delete_runc_containers(self) -> None:
+        root = self.runc_root / NAMESPACE
+        if not root.is_dir():
+            return
+        runc = str(self.bin_dir / "runc")
+        for state in root.iterdir():
+            subprocess.run([runc, "--root", str(root), "delete", "--force", state.name],
+                           capture_output=True)
+
+    def _remove_shim_sockets(self) -> None:
+        """containerd 1.7 puts shim sockets in /run/containerd/s/ whatever its state dir;
+        a shim removes its own on exit, a killed one cannot."""
+        bundles = self.base / "state" / "io.containerd.runtime.v2.task" / NAMESPACE
+        if not bundles.is_dir():
+            return
+        for address in bundles.glob("*/address"):
+            sock = address.read_text().strip().removeprefix("unix://")
+            if sock.startswith("/run/containerd/s/"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(sock)
+
+
+def unmount_under(base: Path) -> None:
+    """Detach every mount at or below `base`, deepest first."""
+    prefix = str(base.resolve())
+    points = []
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point == prefix or point.startswith(prefix + "/"):
+                points.append(point)
+    for point in sorted(set(points), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
+def remove_cgroup(parent: str) -> None:
+    """Remove the (empty) cgroup `parent` and what runc left below it, in every
+    mounted hierarchy (cgroup v1 controllers, or the v2 unified one)."""
+    root = Path("/sys/fs/cgroup")
+    rel = parent.strip("/")
+    if not rel:
+        return
+    candidates = [root / rel, *(h / rel for h in root.iterdir() if h.is_dir())]
+    for top in candidates:
+        if not top.is_dir():
+            continue
+        for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
+            with contextlib.suppress(OSError):
+                os.rmdir(dirpath)
+
+
+# ---- nri-accel ---------------------------------------------------------------------
+
+# The demo inventory's only mount of a directory (the MPS pipe directory); every other
+# mount binds a file (library, binary, firmware, socket).
+_DIRECTORY_MOUNTS = frozenset({"/tmp/nvidia-mps"})
+
+
+def placeholder_inventory(source: Path, dest: Path) -> Path:
+    """A copy of inventory `source` whose mounts' host paths exist: each is moved under
+    dest/host and created there, an empty file (or a directory, see _DIRECTORY_MOUNTS).
+    It stands for a node with its driver's files installed, so that runc can bind them
+    when the container starts. Device nodes stay as they are: runc creates them in the
+    container from their major/minor, without a host node."""
+    data = json.loads(source.read_text())
+    host = dest / "host"
+    edits = [e for d in data["drivers"] for e in d["capabilities"].values()]
+    edits += [d["edits"] for d in data["devices"] if "edits" in d]
+    for e in edits:
+        for m in e.get("mounts", []):
+            moved = host / m["host_path"].lstrip("/")
+            if m["host_path"] in _DIRECTORY_MOUNTS:
+                moved.mkdir(parents=True, exist_ok=True)
+            else:
+                moved.parent.mkdir(parents=True, exist_ok=True)
+                moved.touch()
+            m["host_path"] = str(moved)
+    out = dest / "inventory.json"
+    out.write_text(json.dumps(data, indent=1))
+    return out
+
+
+@dataclass
+class Plugin:
+    """`nri-accel run` as a subprocess logging JSON lines to `log_path`."""
+
+    socket: Path
+    inventory: Path
+    config: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    _stderr_file: Any = field(default=None, repr=False)
+
+    def start(self) -> None:
+        exe = Path(sys.executable).parent / "nri-accel"
+        if not exe.exists():
+            raise E2EError(f"{exe} not found: install the package in this virtualenv "
+                           "(make setup)")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NRI_PLUGIN_")}
+        self.proc = subprocess.Popen(
+            [str(exe), "run", "--socket", str(self.socket), "--name", PLUGIN_NAME,
+             "--idx", PLUGIN_IDX, "--inventory", str(self.inventory),
+             "--config", str(self.config), "--log-file", str(self.log_path)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._stderr(),
+            env=env)
+
+    def _stderr(self) -> Any:
+        self._stderr_file = open(self.log_path.with_suffix(".stderr"), "ab")  # noqa: SIM115
+        return self._stderr_file
+
+    def events(self) -> list[dict[str, Any]]:
+        """The plugin's structured log, one dict per line."""
+        out = []
+        with contextlib.suppress(FileNotFoundError):
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line))
+        return out
+
+    def event(self, name: str) -> dict[str, Any] | None:
+        """The last logged event called `name`, if any."""
+        found = [e for e in self.events() if e.get("event") == name]
+        return found[-1] if found else None
+
+    def diagnose(self) -> str:
+        stderr = self.log_path.with_suffix(".stderr")
+        return (f"--- nri-accel log ({self.log_path}):\n{tail(self.log_path)}\n"
+                f"--- nri-accel stderr:\n{tail(stderr)}")
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after 10 s; returns the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._stderr_file is not None:
+            self._stderr_file.close()
+            self._stderr_file = None
+        return self.proc.returncode

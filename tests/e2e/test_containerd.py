@@ -1,0 +1,342 @@
+"""End to end: `nri-accel run` against a real containerd (Debian trixie's 1.7.24, which
+embeds NRI), driven through containerd's own CRI like kubelet would.
+
+Needs NRI_ACCEL_E2E_BIN (the directory tests/e2e/fetch-containerd.sh prints), root, cc
+and a static libc. Without NRI_ACCEL_E2E_BIN the module is skipped; with it, anything
+missing is a failure, never a skip.
+
+What runs: containerd with a private configuration under a temporary directory (NRI
+on, CRI with a locally imported pause image as sandbox image, runc from the packages,
+cgroupfs driver), `nri-accel run` on the demo inventory (an 8-GPU node) with the
+standalone trust policy, pods with host networking (no CNI). CreateContainer only writes
+the OCI spec, so the demo inventory's host paths (absent here) are never looked at;
+the one test that starts a container first restarts the plugin on a copy of the
+inventory whose driver files exist as placeholders. containerd, its shims, mounts and
+cgroups are removed on the way out, whatever failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from containerd_e2e import (
+    BIN_ENV,
+    IMAGE,
+    PLUGIN_IDX,
+    PLUGIN_NAME,
+    REPO,
+    TOOLS,
+    Containerd,
+    Plugin,
+    build_pause,
+    compile_cri,
+    overlay_works,
+    placeholder_inventory,
+    wait_for,
+    write_image_archive,
+)
+
+from nri_accel.inventory import Inventory
+
+pytestmark = pytest.mark.slow
+
+if not os.environ.get(BIN_ENV):
+    pytest.skip(f"{BIN_ENV} is not set: export {BIN_ENV}=\"$(tests/e2e/fetch-containerd.sh "
+                "CACHE_DIR)\" to run the end-to-end test against a real containerd",
+                allow_module_level=True)
+
+DEMO_INVENTORY = REPO / "nri_accel" / "demo" / "inventory.json"
+FULL_NAME = f"{PLUGIN_IDX}-{PLUGIN_NAME}"
+POD_ANNOTATION = "devices.nri-accel.io/pod"
+GRANTED = "nri-accel.io/granted"
+RPC_TIMEOUT = 30.0
+
+
+@dataclass
+class Node:
+    """The running containerd + nri-accel, and a CRI client on containerd's socket."""
+
+    containerd: Containerd
+    plugin: Plugin
+    pb2: Any
+    cri: Any  # RuntimeServiceStub
+    cgroup_parent: str
+    sandboxes: list[str] = field(default_factory=list)
+
+    def run_pod(self, name: str, annotations: dict[str, str]) -> tuple[str, Any]:
+        pb = self.pb2
+        config = pb.PodSandboxConfig(
+            metadata=pb.PodSandboxMetadata(name=name, uid=str(uuid.uuid4()),
+                                           namespace="default"),
+            annotations=annotations,
+            linux=pb.LinuxPodSandboxConfig(
+                cgroup_parent=self.cgroup_parent,
+                security_context=pb.LinuxSandboxSecurityContext(
+                    namespace_options=pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER,
+                                                         ipc=pb.POD))))
+        reply = self.cri.RunPodSandbox(pb.RunPodSandboxRequest(config=config),
+                                       timeout=RPC_TIMEOUT)
+        self.sandboxes.append(reply.pod_sandbox_id)
+        return reply.pod_sandbox_id, config
+
+    def create_container(self, sandbox_id: str, sandbox_config: Any, name: str) -> str:
+        pb = self.pb2
+        config = pb.ContainerConfig(metadata=pb.ContainerMetadata(name=name),
+                                    image=pb.ImageSpec(image=IMAGE), command=["/pause"])
+        reply = self.cri.CreateContainer(
+            pb.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config,
+                                      sandbox_config=sandbox_config), timeout=RPC_TIMEOUT)
+        return reply.container_id
+
+    def start_container(self, container_id: str) -> None:
+        self.cri.StartContainer(self.pb2.StartContainerRequest(container_id=container_id),
+                                timeout=RPC_TIMEOUT)
+
+    def remove_pod(self, sandbox_id: str) -> None:
+        pb = self.pb2
+        self.cri.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id),
+                                timeout=RPC_TIMEOUT)
+        self.cri.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id),
+                                  timeout=RPC_TIMEOUT)
+        self.sandboxes.remove(sandbox_id)
+
+    def diagnose(self) -> str:
+        return f"{self.containerd.diagnose()}\n{self.plugin.diagnose()}"
+
+    def remove_pods(self) -> None:
+        for sandbox_id in list(self.sandboxes):
+            with contextlib.suppress(grpc.RpcError):
+                self.remove_pod(sandbox_id)
+
+    def restart_plugin(self, inventory: Path, log_name: str) -> None:
+        """Stop nri-accel (it must exit 0) and start it again on `inventory`, logging
+        to `log_name` beside the first log; return once containerd has synchronised it."""
+        assert self.plugin.stop() == 0, self.diagnose()
+        self.plugin = Plugin(self.plugin.socket, inventory, self.plugin.config,
+                             self.plugin.log_path.with_name(log_name))
+        self.plugin.start()
+        self.wait_registered(self.plugin)
+
+    def wait_registered(self, plugin: Plugin) -> None:
+        """Until containerd says `plugin` registered and synchronised ('connected' is
+        logged only after a successful Synchronize)."""
+        assert plugin.proc is not None
+        registered = f'plugin "external:{FULL_NAME}[{plugin.proc.pid}]" registered as "{FULL_NAME}"'
+
+        def done() -> bool:
+            if plugin.proc is not None and plugin.proc.poll() is not None:
+                raise AssertionError(f"nri-accel exited {plugin.proc.returncode}\n"
+                                     f"{self.diagnose()}")
+            msgs = self.containerd.messages()
+            if registered not in msgs:
+                return False
+            after = msgs[msgs.index(registered):]
+            return f'plugin "{FULL_NAME}" connected' in after
+
+        wait_for(f"containerd to register and synchronise {FULL_NAME}", done,
+                 diagnose=self.diagnose)
+
+
+def _require_tools(bin_dir: Path) -> None:
+    missing = [t for t in TOOLS if not os.access(bin_dir / t, os.X_OK)]
+    if missing:
+        pytest.fail(f"{BIN_ENV}={bin_dir} lacks {', '.join(missing)}: "
+                    "run tests/e2e/fetch-containerd.sh")
+    if os.geteuid() != 0:
+        pytest.fail("the containerd end-to-end test needs root (containerd, runc, mounts)")
+    if shutil.which("cc") is None:
+        pytest.fail("the containerd end-to-end test needs cc to build its pause image")
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    bin_dir = Path(os.environ[BIN_ENV]).resolve()
+    _require_tools(bin_dir)
+    base = tmp_path_factory.mktemp("ctd")
+    pb2, pb2_grpc = compile_cri(base / "cri")
+    image = base / "pause.oci.tar"
+    write_image_archive(image, build_pause(base), IMAGE)
+    snapshotter = "overlayfs" if overlay_works(base / "overlay-probe") else "native"
+    cgroup_parent = f"/nri-accel-e2e-{os.getpid()}"
+    config = base / "nri-accel.toml"
+    config.write_text('[policy]\nmode = "standalone"\n')
+
+    containerd = Containerd(bin_dir, base / "c", snapshotter, cgroup_parent)
+    with contextlib.ExitStack() as cleanup:  # last registered runs first, each one runs
+        cleanup.callback(containerd.stop)
+        containerd.start()
+        containerd.import_image(image)
+        channel = grpc.insecure_channel(f"unix://{containerd.address}")
+        cleanup.callback(channel.close)
+        n = Node(containerd, Plugin(containerd.nri_socket, DEMO_INVENTORY, config,
+                                    base / "nri-accel.log"),
+                 pb2, pb2_grpc.RuntimeServiceStub(channel), cgroup_parent)
+        cleanup.callback(lambda: n.plugin.stop())  # whichever plugin runs by then
+        n.plugin.start()
+        n.wait_registered(n.plugin)
+        cleanup.callback(n.remove_pods)
+        yield n
+
+
+@pytest.fixture(autouse=True)
+def _logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Print both logs at teardown: pytest shows them only for a test that failed."""
+    yield
+    if "node" in request.fixturenames:
+        print(request.getfixturevalue("node").diagnose())
+
+
+@pytest.fixture(scope="module")
+def gpu_container(node: Node) -> tuple[str, dict[str, Any]]:
+    """A pod asking for GPU 0 through its pod annotation; its container's id and the
+    OCI spec containerd stored for it."""
+    sandbox_id, sandbox_config = node.run_pod("gpu-pod", {POD_ANNOTATION: "nvidia.com/gpu=0"})
+    container_id = node.create_container(sandbox_id, sandbox_config, "cuda")
+    return container_id, node.containerd.container_spec(container_id)
+
+
+def test_plugin_registers_and_synchronizes(node: Node) -> None:
+    version = node.cri.Version(node.pb2.VersionRequest(version="v1"), timeout=RPC_TIMEOUT)
+    assert version.runtime_name == "containerd"
+    msgs = node.containerd.messages()
+    assert f"synchronizing plugin {FULL_NAME}" in msgs
+    assert not [m for m in msgs if "failed to synchronize" in m or "timed out" in m.lower()]
+    registered = node.plugin.event("registered")
+    assert registered is not None, node.diagnose()
+    assert registered["runtime"] == "containerd"
+    assert registered["runtime_version"].startswith(("v1.7.", "1.7."))
+    assert {"CREATE_CONTAINER", "STOP_CONTAINER", "REMOVE_CONTAINER"} <= set(registered["events"])
+    synchronized = node.plugin.event("synchronized")
+    assert synchronized is not None, node.diagnose()
+
+
+def test_granted_gpu_lands_in_the_oci_spec(node: Node,
+                                           gpu_container: tuple[str, dict[str, Any]]) -> None:
+    _, spec = gpu_container
+    inventory = Inventory.load(DEMO_INVENTORY)
+    gpu = inventory.find("nvidia.com/gpu", "0")
+    assert gpu is not None
+    node0 = gpu.edits.device_nodes[0]
+
+    devices = {d["path"]: d for d in spec["linux"].get("devices", [])}
+    assert "/dev/nvidia0" in devices, json.dumps(spec["linux"], indent=1)
+    assert (devices["/dev/nvidia0"]["type"], devices["/dev/nvidia0"]["major"],
+            devices["/dev/nvidia0"]["minor"]) == (node0.type, node0.major, node0.minor)
+    assert "/dev/nvidiactl" in devices
+    assert "/dev/nvidia1" not in devices
+    # containerd turned each injected node into a cgroup allow rule of its own, with the
+    # access NRI derives for a character device ("rw"; "m" only for block devices)
+    rules = spec["linux"]["resources"]["devices"]
+    for path in ("/dev/nvidia0", "/dev/nvidiactl"):
+        d = devices[path]
+        rule = [r for r in rules if (r.get("major"), r.get("minor")) == (d["major"], d["minor"])]
+        assert len(rule) == 1, rules
+        assert (rule[0]["allow"], rule[0]["type"], rule[0]["access"]) == (True, "c", "rw"), rule
+    # and no wildcard: every allow rule names one device
+    assert not [r for r in rules if r["allow"] and (r.get("major") is None
+                                                    or r.get("minor") is None)], rules
+
+    driver = inventory.driver("nvidia")
+    assert driver is not None
+    expected = {m.container_path: m for cap in ("utility", "compute")
+                for m in driver.capabilities[cap].mounts}
+    mounts = {m["destination"]: m for m in spec["mounts"]}
+    for dest, m in sorted(expected.items()):
+        assert dest in mounts, f"driver mount {dest} missing from the spec"
+        got = mounts[dest]
+        assert got["source"] == m.host_path
+        assert {"ro", "nosuid", "nodev"} <= set(got["options"]), got
+    assert "/usr/local/nvidia/lib64/libcuda.so.1" in mounts
+
+    env = dict(e.partition("=")[::2] for e in spec["process"]["env"])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == gpu.uuid
+    assert gpu.uuid.startswith("GPU-")
+    assert spec["annotations"][GRANTED] == "nvidia.com/gpu=0"
+    created = node.plugin.event("container_created")
+    assert created is not None and created["devices"] == ["nvidia.com/gpu=0"]
+
+
+def test_malformed_annotation_fails_create_container(node: Node) -> None:
+    sandbox_id, sandbox_config = node.run_pod("bad-pod", {POD_ANNOTATION: "nvidia.com/gpu=../0"})
+    try:
+        with pytest.raises(grpc.RpcError) as failed:
+            node.create_container(sandbox_id, sandbox_config, "cuda")
+        details = failed.value.details()
+        assert POD_ANNOTATION in details, details
+        assert "invalid device id '../0'" in details, details
+        refused = node.plugin.event("container_refused")
+        assert refused is not None and refused["source"] == f"annotation {POD_ANNOTATION}"
+    finally:
+        node.remove_pod(sandbox_id)
+    # the refusal cost that container only: the plugin is still registered and serving
+    assert node.plugin.proc is not None and node.plugin.proc.poll() is None
+
+
+def test_restarted_plugin_restores_grants_from_synchronize(
+        node: Node, gpu_container: tuple[str, dict[str, Any]]) -> None:
+    """containerd's Synchronize hands a new plugin the created container with the grant
+    annotation the first one wrote: the allocation survives the plugin's restart."""
+    node.restart_plugin(DEMO_INVENTORY, "nri-accel-restarted.log")
+    synchronized = node.plugin.event("synchronized")
+    assert synchronized is not None, node.diagnose()
+    assert (synchronized["pods"], synchronized["containers"]) == (1, 1), synchronized
+    restored = node.plugin.event("allocations_restored")
+    assert restored is not None, node.diagnose()
+    assert (restored["containers"], restored["held"]) == (1, 1), (gpu_container[0], restored)
+
+
+def _mount_options(pid: int) -> dict[str, set[str]]:
+    """Mount point -> per-mount options, as the kernel reports them for `pid`."""
+    options = {}
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        options[fields[4]] = set(fields[5].split(","))
+    return options
+
+
+def test_container_with_the_adjustment_starts(node: Node, tmp_path: Path) -> None:
+    """runc accepts what containerd made of the adjustment: the container runs, with the
+    device node made from the inventory's numbers and the driver files mounted read-only,
+    nosuid, nodev as the kernel reports them. Driver files are placeholders (see
+    placeholder_inventory); GPU 1, since GPU 0 is held by the gpu-pod container."""
+    inventory_path = placeholder_inventory(DEMO_INVENTORY, tmp_path)
+    inventory = Inventory.load(inventory_path)
+    gpu = inventory.find("nvidia.com/gpu", "1")
+    driver = inventory.driver("nvidia")
+    assert gpu is not None and driver is not None
+    node.restart_plugin(inventory_path, "nri-accel-placeholders.log")
+    try:
+        sandbox_id, sandbox_config = node.run_pod("started-pod",
+                                                  {POD_ANNOTATION: "nvidia.com/gpu=1"})
+        try:
+            container_id = node.create_container(sandbox_id, sandbox_config, "cuda")
+            node.start_container(container_id)
+            pid = node.containerd.task_pid(container_id)
+            dev = os.stat(f"/proc/{pid}/root/dev/nvidia1", follow_symlinks=False)
+            gpu_node = gpu.edits.device_nodes[0]
+            assert stat.S_ISCHR(dev.st_mode)
+            assert (os.major(dev.st_rdev), os.minor(dev.st_rdev)) == (gpu_node.major,
+                                                                      gpu_node.minor)
+            assert not os.path.lexists(f"/proc/{pid}/root/dev/nvidia0")
+            mounted = _mount_options(pid)
+            for cap in ("utility", "compute"):
+                for m in driver.capabilities[cap].mounts:
+                    assert m.container_path in mounted, m.container_path
+                    assert {"ro", "nosuid", "nodev"} <= mounted[m.container_path], m
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"NVIDIA_VISIBLE_DEVICES={gpu.uuid}".encode() in environ
+        finally:
+            node.remove_pod(sandbox_id)
+    finally:
+        node.restart_plugin(DEMO_INVENTORY, "nri-accel-after-placeholders.log")
