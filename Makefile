@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: all setup demo test test-fast bench proto lint clean
+.PHONY: all setup demo test test-fast e2e bench proto lint clean
 
 all: test
 
@@ -29,6 +29,12 @@ test: $(STAMP)
 ## test-fast: the suite without the slow end-to-end tests
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+## e2e: the end-to-end test against a real containerd (fetches Debian's containerd + runc)
+E2E_CACHE ?= $(HOME)/.cache/nri-accel-e2e
+e2e: $(STAMP)
+	NRI_ACCEL_E2E_BIN="$$(tests/e2e/fetch-containerd.sh $(E2E_CACHE))" \
+	  $(BIN)/python -m pytest -q tests/e2e
 
 ## bench: every benchmark under tests/bench/, each prints its figures
 bench: $(STAMP)
