@@ -7,6 +7,12 @@ Every module logs with ``log = get_logger(__name__)`` and binds context
 Event names are snake_case (``container_created``, ``registered``, ``inventory_changed``).
 In pre-registered mode stderr is /dev/null: configure(file=...) sends logs to a file
 (or the journal's stderr when run by systemd).
+
+get_logger()'s loggers follow the newest configuration, whoever set it (configure()
+here, structlog.configure() or structlog.testing.capture_logs() in tests), and are
+still cheap on the hot path: each keeps the bound logger it built for the structlog
+configuration in force and builds a new one when that configuration changes. That
+is read from structlog's private _CONFIG (the defaults its own lazy proxies read).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import sys
 from typing import IO, Any
 
 import structlog
-from structlog._config import BoundLoggerLazyProxy
+from structlog._config import _CONFIG
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -62,22 +68,90 @@ def configure(level: str = "info", fmt: str = "auto", file: IO[str] | None = Non
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(_LEVELS[level])
+    global _factory
+    _factory = structlog.WriteLoggerFactory(out)
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(out),
-        # Not cached: configure() may run again (tests, `run --log-file`) and every
-        # logger, module-level ones included, must follow the newest configuration.
+        logger_factory=_factory,
+        # Not structlog's cache, which would freeze the first configuration for good:
+        # configure() may run again (tests, `run --log-file`) and every logger,
+        # module-level ones included, must follow the newest one (see _Logger).
         cache_logger_on_first_use=False,
     )
 
 
-def get_logger(name: str = "nri_accel", **context: Any) -> Any:
-    """A lazy structlog logger; `name` becomes the `logger` field.
+_factory: Any = None
+"""The logger factory the latest configure() installed."""
 
-    Lazy: it resolves the configuration at each call, so a module-level logger created
-    at import time writes where the latest configure() says (an eager bind() would
-    freeze structlog's defaults, which print to stdout)."""
-    # structlog.get_logger(logger=...) would clash with wrap_logger's own `logger`
-    # parameter, hence the proxy built directly.
-    return BoundLoggerLazyProxy(None, initial_values={"logger": name, **context})
+
+class _Logger:
+    """A logger that behaves as a structlog lazy proxy (it resolves the configuration
+    at each call) but keeps the bound logger it built while that configuration stays:
+    the same factory, wrapper class, processor list and context class (by identity:
+    capture_logs() edits the processor list in place, which a kept logger sees). Only
+    loggers built for configure()'s own factory are kept; its output is resolved at
+    each write, never frozen at bind time (other factories, such as structlog's
+    default printing to the sys.stdout of that moment, are bound per call)."""
+
+    __slots__ = ("_cache", "_values")
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._values = values
+        # (factory, wrapper class, processors, context class, bound logger), one tuple
+        # so that a thread reading it never pairs one configuration with another's logger
+        self._cache: tuple[Any, ...] = ()
+
+    # The log methods are properties: reaching them through __getattr__ would first
+    # build and throw away an AttributeError on every call.
+    @property
+    def debug(self) -> Any:
+        return self._bound().debug
+
+    @property
+    def info(self) -> Any:
+        return self._bound().info
+
+    @property
+    def warning(self) -> Any:
+        return self._bound().warning
+
+    @property
+    def error(self) -> Any:
+        return self._bound().error
+
+    @property
+    def exception(self) -> Any:
+        return self._bound().exception
+
+    @property
+    def critical(self) -> Any:
+        return self._bound().critical
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the bound logger's interface
+        if name.startswith("__"):  # introspection (copy, abc, inspect): not a log method
+            raise AttributeError(name)
+        return getattr(self._bound(), name)
+
+    def _bound(self) -> Any:
+        config = _CONFIG
+        factory = config.logger_factory
+        wrapper = config.default_wrapper_class
+        processors = config.default_processors
+        context = config.default_context_class
+        cache = self._cache
+        if (cache and cache[0] is factory and cache[1] is wrapper and cache[2] is processors
+                and cache[3] is context):
+            return cache[4]
+        bound = wrapper(factory(), processors=processors, context=context(self._values))
+        if factory is _factory:
+            self._cache = (factory, wrapper, processors, context, bound)
+        return bound
+
+
+def get_logger(name: str = "nri_accel", **context: Any) -> Any:
+    """A logger following the latest configuration; `name` becomes the `logger` field.
+
+    A module-level logger created at import time writes where the latest configure()
+    says (an eager bind() would freeze structlog's defaults, which print to stdout)."""
+    return _Logger({"logger": name, **context})

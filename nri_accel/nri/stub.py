@@ -9,7 +9,9 @@ nri_accel.errors, nri_accel.config (the default socket) and this package's mux a
 nri_pb2.
 
 A plugin is any object; the stub looks for these optional methods (plain or async;
-the stub calls them on the event loop, so plain ones must be quick and do no I/O):
+the stub calls them on the event loop, so plain ones must be quick and do no I/O; a
+plain one is answered inline, as its request is read, without a task or a loop
+iteration, which is the fastest way through):
 
     configure(config, runtime_name, runtime_version) -> int | None   (event mask)
     synchronize(pods, containers) -> list[ContainerUpdate] | None
@@ -46,7 +48,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +74,10 @@ DEFAULT_REGISTRATION_TIMEOUT = 5.0  # seconds, until Configure says otherwise
 DEFAULT_REQUEST_TIMEOUT = 2.0
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0  # a restarted runtime sees the plugin back within about a second
+
+Answer = bytes | Awaitable[bytes]
+"""What a Plugin service method returns: its response payload, or an awaitable of it
+when the plugin's handler is async (see ttrpc Endpoint)."""
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _IDX_RE = re.compile(r"^[0-9]{2}$")
@@ -418,7 +424,7 @@ class Stub:
         if self._configured is not None and not self._configured.done():
             self._configured.set_exception(exc)
 
-    async def _synchronize(self, ctx: CallContext, payload: bytes) -> bytes:
+    def _synchronize(self, ctx: CallContext, payload: bytes) -> Answer:
         req = _parse(pb.SynchronizeRequest, payload)
         handler = self._handlers.get("synchronize")
         if handler is None:
@@ -430,56 +436,49 @@ class Stub:
             return pb.SynchronizeResponse(more=True).SerializeToString()
         pods, containers = self._sync_pods, self._sync_containers
         self._sync_pods, self._sync_containers = [], []
-        updates = await _call(handler, "Synchronize", pods, containers)
-        log.info("synchronized", pods=len(pods), containers=len(containers))
-        return pb.SynchronizeResponse(update=updates or ()).SerializeToString()
 
-    async def _shutdown(self, ctx: CallContext, payload: bytes) -> bytes:
+        def answer(updates: Any) -> bytes:
+            log.info("synchronized", pods=len(pods), containers=len(containers))
+            return pb.SynchronizeResponse(update=updates or ()).SerializeToString()
+
+        return _call(handler, "Synchronize", (pods, containers), answer)
+
+    def _shutdown(self, ctx: CallContext, payload: bytes) -> Answer:
         log.info("runtime_shutting_down")
         handler = self._handlers.get("shutdown")
-        if handler is not None:
-            await _call(handler, "Shutdown")
-        return b""
+        if handler is None:
+            return b""
+        return _call(handler, "Shutdown", (), _no_answer)
 
-    async def _create_container(self, ctx: CallContext, payload: bytes) -> bytes:
+    def _create_container(self, ctx: CallContext, payload: bytes) -> Answer:
         handler = self._handlers.get("create_container")
         if handler is None:
             return b""
         req = _parse(pb.CreateContainerRequest, payload)
-        result = await _call(handler, "CreateContainer", req.pod, req.container)
-        if result is None:
-            return b""
-        if isinstance(result, tuple):
-            adjust, updates = result
-            resp = pb.CreateContainerResponse(adjust=adjust, update=updates or ())
-        else:
-            resp = pb.CreateContainerResponse(adjust=result)
-        return resp.SerializeToString(deterministic=True)
+        return _call(handler, "CreateContainer", (req.pod, req.container), _created)
 
-    async def _update_container(self, ctx: CallContext, payload: bytes) -> bytes:
+    def _update_container(self, ctx: CallContext, payload: bytes) -> Answer:
         handler = self._handlers.get("update_container")
         if handler is None:
             return b""
         req = _parse(pb.UpdateContainerRequest, payload)
-        updates = await _call(handler, "UpdateContainer", req.pod, req.container,
-                              req.linux_resources)
-        return pb.UpdateContainerResponse(update=updates or ()).SerializeToString()
+        return _call(handler, "UpdateContainer",
+                     (req.pod, req.container, req.linux_resources), _container_updated)
 
-    async def _stop_container(self, ctx: CallContext, payload: bytes) -> bytes:
+    def _stop_container(self, ctx: CallContext, payload: bytes) -> Answer:
         handler = self._handlers.get("stop_container")
         if handler is None:
             return b""
         req = _parse(pb.StopContainerRequest, payload)
-        updates = await _call(handler, "StopContainer", req.pod, req.container)
-        return pb.StopContainerResponse(update=updates or ()).SerializeToString()
+        return _call(handler, "StopContainer", (req.pod, req.container), _container_stopped)
 
-    async def _update_pod_sandbox(self, ctx: CallContext, payload: bytes) -> bytes:
+    def _update_pod_sandbox(self, ctx: CallContext, payload: bytes) -> Answer:
         handler = self._handlers.get("update_pod_sandbox")
-        if handler is not None:
-            req = _parse(pb.UpdatePodSandboxRequest, payload)
-            await _call(handler, "UpdatePodSandbox", req.pod, req.overhead_linux_resources,
-                        req.linux_resources)
-        return b""
+        if handler is None:
+            return b""
+        req = _parse(pb.UpdatePodSandboxRequest, payload)
+        return _call(handler, "UpdatePodSandbox",
+                     (req.pod, req.overhead_linux_resources, req.linux_resources), _no_answer)
 
     async def _validate(self, ctx: CallContext, payload: bytes) -> bytes:
         handler = self._handlers.get("validate_container_adjustment")
@@ -496,34 +495,32 @@ class Stub:
     def _notify_rpc(self, req_type: Any, event: int, with_container: bool) -> Any:
         name = _handler_name(event)
 
-        async def serve(ctx: CallContext, payload: bytes) -> bytes:
+        def serve(ctx: CallContext, payload: bytes) -> Answer:
             req = _parse(req_type, payload)
             args = (req.pod, req.container) if with_container else (req.pod,)
-            await self._notify(event, name, args)
-            return b""
+            return self._notify(event, name, args)
 
         return serve
 
-    async def _state_change(self, ctx: CallContext, payload: bytes) -> bytes:
+    def _state_change(self, ctx: CallContext, payload: bytes) -> Answer:
         evt = _parse(pb.StateChangeEvent, payload)
-        if evt.event in NOTIFICATIONS:
-            container_event = evt.event not in _POD_EVENTS
-            args = (evt.pod, evt.container) if container_event else (evt.pod,)
-            await self._notify(evt.event, _handler_name(evt.event), args)
-        else:
+        if evt.event not in NOTIFICATIONS:
             log.debug("state_change_ignored", event=evt.event)
-        return b""
+            return b""
+        container_event = evt.event not in _POD_EVENTS
+        args = (evt.pod, evt.container) if container_event else (evt.pod,)
+        return self._notify(evt.event, _handler_name(evt.event), args)
 
-    async def _notify(self, event: int, name: str, args: tuple[Any, ...]) -> None:
+    def _notify(self, event: int, name: str, args: tuple[Any, ...]) -> Answer:
         handler = self._handlers.get(name)
         if handler is not None:
-            await _call(handler, name, *args)
-            return
+            return _call(handler, name, args, _no_answer)
         fallback = self._handlers.get("state_change")
-        if fallback is not None:
-            pod = args[0]
-            container = args[1] if len(args) > 1 else None
-            await _call(fallback, "StateChange", event, pod, container)
+        if fallback is None:
+            return b""
+        pod = args[0]
+        container = args[1] if len(args) > 1 else None
+        return _call(fallback, "StateChange", (event, pod, container), _no_answer)
 
 
 _POD_EVENTS = frozenset({E.RUN_POD_SANDBOX, E.STOP_POD_SANDBOX, E.REMOVE_POD_SANDBOX,
@@ -596,14 +593,55 @@ async def _invoke(fn: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-async def _call(fn: Callable[..., Any], what: str, *args: Any) -> Any:
-    """Run a plugin handler; its exception becomes a TtrpcError with its message."""
+def _call(fn: Callable[..., Any], what: str, args: tuple[Any, ...],
+          then: Callable[[Any], bytes]) -> Answer:
+    """Answer `then(fn(*args))`: at once when the plugin handler `fn` is a plain function
+    (the Endpoint writes it without a task or a loop iteration), as a coroutine when
+    it is async. Its exception becomes a TtrpcError with its message."""
     try:
-        return await _invoke(fn, *args)
+        value = fn(*args)
+        if inspect.isawaitable(value):
+            return _finish(value, what, then)
     except TtrpcError:
         raise
     except Exception as exc:
         raise _as_ttrpc_error(exc, what) from exc
+    return then(value)
+
+
+async def _finish(pending: Awaitable[Any], what: str, then: Callable[[Any], bytes]) -> bytes:
+    """The async half of _call."""
+    try:
+        value = await pending
+    except TtrpcError:
+        raise
+    except Exception as exc:
+        raise _as_ttrpc_error(exc, what) from exc
+    return then(value)
+
+
+def _no_answer(value: object) -> bytes:
+    return b""
+
+
+def _created(result: Any) -> bytes:
+    """The CreateContainerResponse of a create_container result."""
+    if result is None:
+        return b""
+    if isinstance(result, tuple):
+        adjust, updates = result
+        resp = pb.CreateContainerResponse(adjust=adjust, update=updates or ())
+    else:
+        resp = pb.CreateContainerResponse(adjust=result)
+    return resp.SerializeToString(deterministic=True)
+
+
+def _container_updated(updates: Any) -> bytes:
+    return pb.UpdateContainerResponse(update=updates or ()).SerializeToString()
+
+
+def _container_stopped(updates: Any) -> bytes:
+    return pb.StopContainerResponse(update=updates or ()).SerializeToString()
 
 
 def _as_ttrpc_error(exc: Exception, what: str) -> TtrpcError:

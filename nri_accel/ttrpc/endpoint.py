@@ -6,18 +6,24 @@ CallContext (what a handler learns about its call) and the Handler/Services type
 Imports asyncio, logging and this package's protocol and errors; no sockets (see
 unix.py for those).
 
-Server side: every request runs its handler in its own task (handlers run
-concurrently); the answer is the handler's bytes, the status of a TtrpcError it
-raises, DEADLINE_EXCEEDED when the request's `timeout_nano` passes (the handler is
-cancelled), UNKNOWN with the exception's text for any other exception. Nothing a
-peer sends or a handler does closes the connection. Client side: `call()` sends on
-the next odd stream id and waits for the response with that id; any number of calls
-may be in flight. Closing fails pending calls with UNAVAILABLE and cancels handlers.
+Server side: a handler is an async function, or a plain one returning bytes (or an
+awaitable of bytes). A plain handler runs at once, as its request is decoded, and
+its answer is written before the next frame is looked at: no task, no loop
+iteration, the cheapest path, for handlers that are quick and do no I/O. An
+awaitable runs in its own task (such handlers run concurrently). The answer is the
+handler's bytes, the status of a TtrpcError it raises, DEADLINE_EXCEEDED when the
+request's `timeout_nano` passes while an awaitable runs (it is cancelled; a plain
+handler cannot be interrupted and its answer stands), UNKNOWN with the exception's
+text for any other exception. Nothing a peer sends or a handler does closes the
+connection. Client side: `call()` sends on the next odd stream id and waits for the
+response with that id; any number of calls may be in flight. Closing fails pending
+calls with UNAVAILABLE and cancels handlers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -48,8 +54,9 @@ class CallContext:
     stream_id: int
 
 
-Handler = Callable[[CallContext, bytes], Awaitable[bytes]]
-"""An async function answering one method: (ctx, request payload) -> response payload."""
+Handler = Callable[[CallContext, bytes], Awaitable[bytes] | bytes]
+"""A function answering one method: (ctx, request payload) -> response payload; async,
+or plain (run inline: quick and no I/O) returning bytes or an awaitable of bytes."""
 
 Services = Mapping[str, Mapping[str, Handler]]
 """{service name: {method name: handler}}, e.g. {"nri.pkg.api.v1alpha1.Plugin": {...}}."""
@@ -81,6 +88,7 @@ class Endpoint:
         self._cancelled: list[asyncio.Task[None]] = []
         self._closing_reason = ""
         self._closed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the running loop, once used
 
     # -- transport side ---------------------------------------------------------------
 
@@ -133,7 +141,7 @@ class Endpoint:
                 message = f"{service}/{method}: timeout {timeout} s is not positive"
                 raise TtrpcError(Code.DEADLINE_EXCEEDED, message)
             timeout_nano = max(1, round(timeout * 1e9))
-        loop = asyncio.get_running_loop()
+        loop = self._loop or self._running_loop()
         stream_id, frame = self._conn.request(
             service, method, payload, timeout_nano=timeout_nano, metadata=metadata
         )
@@ -188,6 +196,10 @@ class Endpoint:
         for task in self._cancelled:
             task.cancel()
 
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        self._loop = asyncio.get_running_loop()
+        return self._loop
+
     def _start(self, req: RequestReceived) -> None:
         methods = self._services.get(req.service)
         handler = None if methods is None else methods.get(req.method)
@@ -203,54 +215,86 @@ class Endpoint:
                 )
             )
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop or self._running_loop()
         deadline = loop.time() + req.timeout_nano / 1e9 if req.timeout_nano else None
         ctx = CallContext(req.service, req.method, req.metadata, deadline, req.stream_id)
-        self._handlers[req.stream_id] = loop.create_task(self._serve(handler, ctx, req.payload))
+        try:
+            result = handler(ctx, req.payload)
+            if not isinstance(result, bytes) and inspect.isawaitable(result):
+                task = loop.create_task(self._serve(result, ctx))
+                if inspect.iscoroutine(result):
+                    # A task cancelled before its first step never starts `result`:
+                    # closing it keeps it from being reported as never awaited.
+                    task.add_done_callback(lambda _: result.close())
+                self._handlers[req.stream_id] = task
+                return
+            frame = self._answer(ctx, result)
+        except asyncio.CancelledError:  # raised by a plain handler: not a cancellation
+            frame = self._cancelled_frame(ctx)
+        except Exception as exc:
+            frame = self._failure_frame(ctx, exc)
+        if not self._closing_reason:  # the handler may have closed the endpoint
+            self._write(frame)
 
-    async def _serve(self, handler: Handler, ctx: CallContext, payload: bytes) -> None:
+    async def _serve(self, pending: Awaitable[bytes], ctx: CallContext) -> None:
         stream_id = ctx.stream_id
-        respond = self._conn.response
         timeout = None
         try:
             if ctx.deadline is None:
-                result = await handler(ctx, payload)
+                result = await pending
             else:
                 timeout = asyncio.timeout_at(ctx.deadline)
                 async with timeout:
-                    result = await handler(ctx, payload)
-            if not isinstance(result, bytes):
-                raise TypeError(
-                    f"handler of {ctx.service}/{ctx.method} returned "
-                    f"{type(result).__name__}, not bytes"
-                )
-            frame = respond(stream_id, result)
-        except TtrpcError as exc:
-            frame = respond(stream_id, code=exc.code, message=exc.message, details=exc.details)
+                    result = await pending
+            frame = self._answer(ctx, result)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if self._closing_reason or (task is not None and task.cancelling()):
                 raise
-            frame = respond(
-                stream_id,
-                code=Code.CANCELLED,
-                message=f"handler of {ctx.service}/{ctx.method} was cancelled",
-            )
+            frame = self._cancelled_frame(ctx)
         except Exception as exc:
             if isinstance(exc, TimeoutError) and timeout is not None and timeout.expired():
                 message = f"{ctx.service}/{ctx.method} did not finish before its deadline"
-                frame = respond(stream_id, code=Code.DEADLINE_EXCEEDED, message=message)
-            else:
-                _log.exception(
-                    "ttrpc_handler_failed service=%s method=%s", ctx.service, ctx.method
+                frame = self._conn.response(
+                    stream_id, code=Code.DEADLINE_EXCEEDED, message=message
                 )
-                text = str(exc)
-                message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-                frame = respond(stream_id, code=Code.UNKNOWN, message=message)
+            else:
+                frame = self._failure_frame(ctx, exc)
         finally:
             del self._handlers[stream_id]
         if not self._closing_reason:
             self._write(frame)
+
+    def _answer(self, ctx: CallContext, result: object) -> bytes:
+        """The response frame of a handler's result. Raises TypeError when it is not
+        bytes, TtrpcError when it is over the size limit (answered as a handler's own)."""
+        if not isinstance(result, bytes):
+            raise TypeError(
+                f"handler of {ctx.service}/{ctx.method} returned "
+                f"{type(result).__name__}, not bytes"
+            )
+        return self._conn.response(ctx.stream_id, result)
+
+    def _cancelled_frame(self, ctx: CallContext) -> bytes:
+        return self._conn.response(
+            ctx.stream_id,
+            code=Code.CANCELLED,
+            message=f"handler of {ctx.service}/{ctx.method} was cancelled",
+        )
+
+    def _failure_frame(self, ctx: CallContext, exc: Exception) -> bytes:
+        """The answer to a handler's exception: a TtrpcError's own status, else UNKNOWN."""
+        if isinstance(exc, TtrpcError):
+            return self._conn.response(
+                ctx.stream_id, code=exc.code, message=exc.message, details=exc.details
+            )
+        _log.error(
+            "ttrpc_handler_failed service=%s method=%s",
+            ctx.service, ctx.method, exc_info=exc,
+        )
+        text = str(exc)
+        message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        return self._conn.response(ctx.stream_id, code=Code.UNKNOWN, message=message)
 
     def _write(self, frame: bytes) -> None:
         """Send an answer; a failing transport is logged here, its end comes as connection_lost."""

@@ -96,6 +96,16 @@ def test_largest_legal_frame_is_accepted() -> None:
     assert demux.feed(b"\0" * 10) == [(1, b"\0" * 10)]
 
 
+def test_chunks_are_copies_so_the_read_buffer_can_be_reused() -> None:
+    buffer = bytearray(encode(1, b"first") + encode(2, b"second"))
+    demux = Demux()
+    chunks = demux.feed(memoryview(buffer)[:10])  # a view of the reused read buffer
+    chunks += demux.feed(memoryview(buffer)[10:])
+    buffer[:] = b"\xff" * len(buffer)  # the next read lands in the same buffer
+    assert chunks == [(1, b"fi"), (1, b"rst"), (2, b"second")]
+    assert all(type(data) is bytes for _, data in chunks)
+
+
 async def _pair() -> tuple[MuxProtocol, MuxProtocol, list[tuple[int, bytes]], list[object]]:
     loop = asyncio.get_running_loop()
     a, b = socket.socketpair()

@@ -190,6 +190,35 @@ async def test_a_bug_in_a_handler_is_an_error_answer_not_a_crash(sock_path: str)
         assert stub.registrations == 1
 
 
+async def test_a_plain_handler_runs_on_the_read_callback_and_an_async_one_in_a_task(
+    sock_path: str,
+) -> None:
+    tasks: list[asyncio.Task[Any] | None] = []
+
+    class Plain(Injector):
+        """Injector that notes the task its CreateContainer runs in."""
+
+        def create_container(self, pod: Any, container: Any) -> Any:
+            tasks.append(asyncio.current_task())
+            return super().create_container(pod, container)
+
+    class Async(Plain):
+        """The same, with an async CreateContainer."""
+
+        async def create_container(self, pod: Any, container: Any) -> Any:  # type: ignore[override]
+            await asyncio.sleep(0)
+            return super().create_container(pod, container)
+
+    for plugin in (Plain(), Async()):
+        async with serving(plugin, sock_path) as (sim, _):
+            await sim.wait_for_plugin()
+            rsp = await sim.create_container(POD, CTR)
+            assert [d.path for d in rsp.adjust.linux.devices] == ["/dev/accel0"]
+    plain_task, async_task = tasks
+    assert plain_task is None  # answered inline, as the request was read
+    assert async_task is not None
+
+
 async def test_state_change_stands_in_for_notifications_old_and_new(sock_path: str) -> None:
     seen: list[tuple[int, str, str]] = []
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import struct
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ttrpc_testing import RawPeer, async_test, memory_pair
@@ -405,3 +408,62 @@ async def test_an_oversize_or_malformed_response_fails_only_its_call() -> None:
     assert info.value.code == Code.INTERNAL
     assert "malformed ttrpc response" in info.value.message
     assert await third == b"fine"
+
+
+@async_test
+async def test_a_plain_handler_is_answered_inline_before_data_received_returns() -> None:
+    def reverse(ctx: CallContext, payload: bytes) -> bytes:
+        return payload[::-1]
+
+    def refuse(ctx: CallContext, payload: bytes) -> bytes:
+        raise TtrpcError(Code.FAILED_PRECONDITION, "no")
+
+    def crash(ctx: CallContext, payload: bytes) -> bytes:
+        raise KeyError("gpu9")
+
+    def wrong_type(ctx: CallContext, payload: bytes) -> bytes:
+        return "text"  # type: ignore[return-value]
+
+    sent: list[bytes] = []
+    endpoint = Endpoint(sent.append, {SVC: {"Reverse": reverse, "Refuse": refuse,
+                                             "Crash": crash, "WrongType": wrong_type}})
+    client = Connection()
+    answers = []
+    for method in ("Reverse", "Refuse", "Crash", "WrongType"):
+        _, frame = client.request(SVC, method, b"abc", timeout_nano=1)  # deadline long gone
+        endpoint.data_received(frame)
+        (event,) = client.receive(sent.pop())  # already written: no loop iteration needed
+        assert isinstance(event, ResponseReceived)
+        answers.append((event.code, event.message, event.payload))
+    assert answers[:3] == [(Code.OK, "", b"cba"), (Code.FAILED_PRECONDITION, "no", b""),
+                           (Code.UNKNOWN, "KeyError: 'gpu9'", b"")]
+    assert answers[3][0] == Code.UNKNOWN and "returned str, not bytes" in answers[3][1]
+
+
+@async_test
+async def test_a_plain_handler_may_answer_later_through_an_awaitable() -> None:
+    blocker = Blocker()
+
+    def later(ctx: CallContext, payload: bytes) -> Any:
+        return blocker(ctx, payload)  # a coroutine: run in a task like an async handler
+
+    sent: list[bytes] = []
+    endpoint = Endpoint(sent.append, {SVC: {"Later": later}})
+    client = Connection()
+    endpoint.data_received(client.request(SVC, "Later", b"")[1])
+    await blocker.started.wait()
+    assert sent == []
+    blocker.release.set()
+    while not sent:
+        await asyncio.sleep(0)
+    assert client.receive(sent[0]) == [ResponseReceived(1, Code.OK, "", b"released", ())]
+    # Closed before its task ever ran: the awaitable is closed, not left never awaited.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        endpoint.data_received(client.request(SVC, "Later", b"")[1])
+        endpoint.close()
+        await endpoint.closed()
+        del endpoint  # its cancelled task holds the awaitable until then
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, RuntimeWarning)] == []
+    assert len(sent) == 1

@@ -1,0 +1,66 @@
+"""nri_accel.log: loggers follow every reconfiguration although they keep their bound logger.
+
+The stub's and plugin's module-level loggers are created at import; the canonical
+CreateContainer line must still go where the latest configuration says, whoever
+changed it (configure() here, structlog.configure() or capture_logs() in tests).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from nri_accel import log
+
+LOG = log.get_logger("nri_accel.test", component="stub")
+
+
+@pytest.fixture(autouse=True)
+def restore_structlog() -> Iterator[None]:
+    saved = structlog.get_config()
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+
+
+def lines(out: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_a_logger_writes_where_the_latest_configure_says() -> None:
+    first, second = io.StringIO(), io.StringIO()
+    log.configure(level="info", fmt="json", file=first)
+    LOG.info("container_created", pod="p0")
+    LOG.debug("sync_chunk")  # below the level
+    log.configure(level="debug", fmt="json", file=second)
+    LOG.info("container_created", pod="p1")
+    LOG.debug("sync_chunk")
+    log.configure(level="warning", fmt="json", file=first)
+    LOG.info("container_created", pod="p2")
+    LOG.warning("runtime_unavailable")
+    assert [(d["event"], d.get("pod")) for d in lines(first)] == [
+        ("container_created", "p0"), ("runtime_unavailable", None)]
+    assert [(d["event"], d["level"]) for d in lines(second)] == [
+        ("container_created", "info"), ("sync_chunk", "debug")]
+    assert {d["logger"] for d in lines(first) + lines(second)} == {"nri_accel.test"}
+    assert {d["component"] for d in lines(first) + lines(second)} == {"stub"}
+
+
+def test_a_logger_follows_structlog_configure_and_capture_logs() -> None:
+    out = io.StringIO()
+    log.configure(level="info", fmt="json", file=out)
+    LOG.info("registered")
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    LOG.debug("sync_chunk")
+    with capture_logs() as captured:
+        LOG.info("container_created", pod="p0")
+    LOG.info("plugin_stopped")
+    assert [d["event"] for d in lines(out)] == ["registered", "sync_chunk", "plugin_stopped"]
+    assert [(d["event"], d["pod"]) for d in captured] == [("container_created", "p0")]
