@@ -55,7 +55,13 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from nri_accel.config import DEFAULT_SOCKET
-from nri_accel.errors import ConfigError, NriAccelError
+from nri_accel.errors import (
+    AllocationError,
+    ConfigError,
+    NriAccelError,
+    PolicyError,
+    RequestError,
+)
 from nri_accel.log import get_logger
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxProtocol
@@ -644,10 +650,20 @@ def _container_stopped(updates: Any) -> bytes:
     return pb.StopContainerResponse(update=updates or ()).SerializeToString()
 
 
+# The status a refusal carries: the runtime quotes it ("rpc error: code = ... desc = ...")
+# in the error kubelet shows, so it says what kind of refusal it is.
+_REFUSAL_CODES: tuple[tuple[type[NriAccelError], Code], ...] = (
+    (PolicyError, Code.PERMISSION_DENIED),
+    (AllocationError, Code.RESOURCE_EXHAUSTED),
+    (RequestError, Code.INVALID_ARGUMENT),
+)
+
+
 def _as_ttrpc_error(exc: Exception, what: str) -> TtrpcError:
     if not isinstance(exc, NriAccelError):  # a bug, not a refusal: keep the traceback
         log.error("handler_failed", rpc=what, exc_info=exc)
-    return TtrpcError(Code.UNKNOWN, str(exc) or type(exc).__name__)
+    code = next((c for t, c in _REFUSAL_CODES if isinstance(exc, t)), Code.UNKNOWN)
+    return TtrpcError(code, str(exc) or type(exc).__name__)
 
 
 def _describe(exc: BaseException) -> str:

@@ -275,6 +275,8 @@ def test_malformed_annotation_fails_create_container(node: Node) -> None:
         details = failed.value.details()
         assert POD_ANNOTATION in details, details
         assert "invalid device id '../0'" in details, details
+        # containerd quotes the plugin's status: a malformed request, not an unknown failure
+        assert "code = InvalidArgument" in details, details
         refused = node.plugin.event("container_refused")
         assert refused is not None and refused["source"] == f"annotation {POD_ANNOTATION}"
     finally:

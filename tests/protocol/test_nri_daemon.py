@@ -138,6 +138,8 @@ async def test_daemon_registers_synchronises_thousands_and_answers(
                 await sim.create_container(pod2, ctr2)
             assert refused.value.message.startswith(
                 "annotation devices.nri-accel.io/container.main")
+            # No GPU free: the status says what kind of refusal it is (the runtime quotes it).
+            assert refused.value.code == Code.RESOURCE_EXHAUSTED
 
             await sim.stop_container(pod, ctr)  # releases GPUs 2 and 3
             rsp = await sim.create_container(pod2, ctr2)

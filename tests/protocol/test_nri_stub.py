@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from nri_accel.errors import ConfigError, RequestError
+from nri_accel.errors import ConfigError, PolicyError, RequestError
 from nri_accel.inventory import ContainerEdits, DeviceNode
 from nri_accel.nri import adjust
 from nri_accel.nri import nri_pb2 as pb
@@ -32,7 +32,7 @@ from nri_accel.nri.stub import (
     event_bit,
     resolve_identity,
 )
-from nri_accel.ttrpc import MAX_MESSAGE_SIZE
+from nri_accel.ttrpc import MAX_MESSAGE_SIZE, Code
 
 POD = make_pod({"name": "pod0", "namespace": "ml"})
 CTR = make_container(POD, {"name": "train", "env": ["PATH=/bin"]})
@@ -171,8 +171,25 @@ async def test_a_refusal_fails_that_container_with_its_message_and_serving_goes_
             await sim.create_container(refused, make_container(refused, {"name": "c"}))
         assert info.value.message == ("annotation devices.nri-accel.io/pod: "
                                       "unknown device \"acme.example/npu=9\"")
+        assert info.value.code == Code.INVALID_ARGUMENT  # a malformed request
         assert (await sim.create_container(POD, CTR)).adjust.linux.devices
         assert sim.dropped == []
+
+
+async def test_a_policy_refusal_says_permission_denied(sock_path: str) -> None:
+    class Strict:
+        """A plugin whose CreateContainer refuses like the trust policy does."""
+
+        def create_container(self, pod: Any, container: Any) -> Any:
+            raise PolicyError("pod annotations may not grant devices in namespace 'x'",
+                              source="annotation devices.nri-accel.io/pod")
+
+    async with serving(Strict(), sock_path) as (sim, _):
+        await sim.wait_for_plugin()
+        with pytest.raises(PluginError) as info:
+            await sim.create_container(POD, CTR)
+        assert info.value.code == Code.PERMISSION_DENIED
+        assert info.value.message.startswith("annotation devices.nri-accel.io/pod: ")
 
 
 async def test_a_bug_in_a_handler_is_an_error_answer_not_a_crash(sock_path: str) -> None:
