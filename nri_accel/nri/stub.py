@@ -335,7 +335,9 @@ class Stub:
             self.registrations += 1
             self.registered.set()
             log.info("registered", plugin=self.identity.full_name, runtime=self.runtime.name,
-                     runtime_version=self.runtime.version, nri_version=self.runtime.nri_version,
+                     runtime_version=self.runtime.version,
+                     # older runtimes (containerd 1.7) do not send their NRI version
+                     nri_version=self.runtime.nri_version or "not sent",
                      events=mask_events(self.events))
             error = await mux.lost
             if not (self._stopping is not None and self._stopping.is_set()):
