@@ -31,10 +31,11 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 ## e2e: the end-to-end test against a real containerd (fetches Debian's containerd + runc)
+# A failed fetch fails the target (an empty NRI_ACCEL_E2E_BIN would only skip the test).
 E2E_CACHE ?= $(HOME)/.cache/nri-accel-e2e
 e2e: $(STAMP)
-	NRI_ACCEL_E2E_BIN="$$(tests/e2e/fetch-containerd.sh $(E2E_CACHE))" \
-	  $(BIN)/python -m pytest -q tests/e2e
+	bin="$$(tests/e2e/fetch-containerd.sh $(E2E_CACHE))" && \
+	  NRI_ACCEL_E2E_BIN="$$bin" $(BIN)/python -m pytest -q tests/e2e
 
 ## bench: every benchmark under tests/bench/, each prints its figures
 bench: $(STAMP)

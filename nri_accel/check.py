@@ -2,7 +2,8 @@
 
 Owns: the checks and their report. Imports config, discover (lazily) and the standard
 library. Prints one line per finding, "ok:", "warn:" or "error:" first; exit status 0
-when `run` would work (warnings allowed), 1 otherwise. Used by the systemd unit's
+when `run` would work (warnings allowed), 1 otherwise (2 for an invalid configuration,
+as with every verb). Used by the systemd unit's
 ExecStartPre so a broken configuration fails at start with a readable reason.
 """
 

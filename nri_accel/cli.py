@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate the configuration and this node's setup",
                        description="Load the configuration, discover the node and check the "
                        "NRI socket; print what is wrong. Exit 0 only if `run` would work.")
-    p.add_argument("--socket", metavar="PATH", help="NRI socket to check")
+    p.add_argument("--socket", metavar="PATH",
+                   help=f"NRI socket to check (default: config nri.socket, else {DEFAULT_SOCKET})")
     _add_config(p)
     _add_source(p)
     p.set_defaults(target="nri_accel.check:main_check")

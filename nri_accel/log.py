@@ -102,8 +102,8 @@ class _Logger:
         # so that a thread reading it never pairs one configuration with another's logger
         self._cache: tuple[Any, ...] = ()
 
-    # The log methods are properties: reaching them through __getattr__ would first
-    # build and throw away an AttributeError on every call.
+    # The log methods in use are properties: reaching them through __getattr__ would
+    # first build and throw away an AttributeError on every call.
     @property
     def debug(self) -> Any:
         return self._bound().debug
@@ -123,10 +123,6 @@ class _Logger:
     @property
     def exception(self) -> Any:
         return self._bound().exception
-
-    @property
-    def critical(self) -> Any:
-        return self._bound().critical
 
     def __getattr__(self, name: str) -> Any:  # the rest of the bound logger's interface
         if name.startswith("__"):  # introspection (copy, abc, inspect): not a log method

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,3 +58,34 @@ def test_bad_config_exits_2_naming_the_key(tmp_path, capsys) -> None:
     rc = main(["check", "--config", str(cfg), "--inventory", str(tmp_path / "x.json")])
     assert rc == 2
     assert "policy.mode" in capsys.readouterr().err
+
+
+def _verb_parsers(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, Any]:
+    """{"run": parser, "cdi generate": parser, ...}: every verb's own parser."""
+    out: dict[str, Any] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                inner = _verb_parsers(sub, f"{prefix}{name} ")
+                out.update(inner or {f"{prefix}{name}": sub})
+    return out
+
+
+def test_the_readme_synopsis_names_exactly_the_flags_of_each_verb() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## Command line", 1)[1].split("```", 2)[1]
+    synopsis: dict[str, set[str]] = {}
+    verb = ""
+    for line in block.splitlines():
+        if line.startswith("nri-accel "):
+            words = line.split()
+            verb = " ".join(words[1:3] if words[1] == "cdi" else words[1:2])
+            synopsis[verb] = set()
+        if verb:
+            synopsis[verb] |= set(re.findall(r"--[a-z][a-z-]*", line))
+    parsers = _verb_parsers(build_parser())
+    assert set(synopsis) == set(parsers)
+    for name, sub in parsers.items():
+        flags = {s for a in sub._actions for s in a.option_strings
+                 if s.startswith("--") and s != "--help"}
+        assert synopsis[name] == flags, name

@@ -51,7 +51,6 @@ if TYPE_CHECKING:  # importing nri_accel.discover would load every discoverer
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
-DEFAULT_KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 _SUN_PATH_MAX = 107  # bytes of a unix socket path, without the terminating NUL
 _MAX_RETRY_DELAY = 30.0  # seconds between registration attempts at most
 _OPTIONS = pb2.DevicePluginOptions(

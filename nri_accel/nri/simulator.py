@@ -1,7 +1,7 @@
 """A container runtime's side of NRI, in Python: for tests, the benchmark and the demo.
 
 Owns: Simulator (listens on a unix socket like containerd's NRI, accepts plugins,
-serves RegisterPlugin and UpdateContainers, configures and synchronises each plugin
+serves RegisterPlugin, configures and synchronises each plugin
 and then sends the pod and container events the caller drives), PluginConn (one
 connected plugin) and the make_pod / make_container helpers. Imports asyncio, the
 standard library, nri_accel.ttrpc, nri_accel.log and this package's mux, stub
@@ -89,8 +89,7 @@ class PluginConn:
         self.client = Endpoint(mux.sender(PLUGIN_SERVICE_CONN), on_close=mux.close)
         self.server = Endpoint(
             mux.sender(RUNTIME_SERVICE_CONN),
-            {RUNTIME_SERVICE: {"RegisterPlugin": self._register,
-                               "UpdateContainers": self._update_containers}},
+            {RUNTIME_SERVICE: {"RegisterPlugin": self._register}},
             on_close=mux.close,
         )
         mux.attach(PLUGIN_SERVICE_CONN, self.client.data_received, self.client.connection_lost)
@@ -148,11 +147,6 @@ class PluginConn:
             await self._setup()
         else:
             self.sim.track(self.sim.loop.create_task(self._setup()))
-        return b""
-
-    async def _update_containers(self, ctx: CallContext, payload: bytes) -> bytes:
-        req = pb.UpdateContainersRequest.FromString(payload)
-        self.sim.update_requests.append((self.full_name, req))
         return b""
 
     async def _setup(self) -> None:
@@ -261,7 +255,6 @@ class Simulator:
         self.pods: dict[str, pb.PodSandbox] = {}
         self.containers: dict[str, pb.Container] = {}
         self.connections: list[PluginConn] = []
-        self.update_requests: list[tuple[str, pb.UpdateContainersRequest]] = []
         self.sync_splits = 0  # oversized Synchronize attempts that were re-chunked
         self.dropped: list[tuple[str, str]] = []  # (plugin, reason) of plugins it dropped
         self._server: asyncio.AbstractServer | None = None

@@ -48,7 +48,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,7 +235,6 @@ class Stub:
         self._sync_containers: list[Any] = []
         self._configured: asyncio.Future[None] | None = None
         self._mux: MuxProtocol | None = None
-        self._runtime_ep: Endpoint | None = None
         self._stopping: asyncio.Event | None = None
         self.registered = asyncio.Event()  # set while registered and configured
 
@@ -327,7 +326,7 @@ class Stub:
             await loop.create_unix_connection(lambda: mux, sock=sock)
         else:
             await loop.create_unix_connection(lambda: mux, path)
-        self._mux, self._runtime_ep = mux, runtime_ep
+        self._mux = mux
         try:
             if self._stopping is not None and self._stopping.is_set():
                 return False
@@ -346,7 +345,7 @@ class Stub:
             return True
         finally:
             self.registered.clear()
-            self._mux = self._runtime_ep = None
+            self._mux = None
             if self._configured.done() and not self._configured.cancelled():
                 self._configured.exception()  # retrieved: it was reported through the call
             mux.close()
@@ -368,18 +367,6 @@ class Stub:
         if mux.lost in done:
             raise ConnectionResetError("runtime closed the connection before Configure")
         raise TimeoutError(f"no Configure from the runtime within {timeout:g} s of registering")
-
-    async def update_containers(
-        self, updates: Sequence[Any] = (), evictions: Sequence[Any] = ()
-    ) -> list[Any]:
-        """Ask the runtime for unsolicited updates/evictions; returns the failed updates."""
-        if self._runtime_ep is None:
-            raise TtrpcError(Code.UNAVAILABLE, "not connected to the runtime")
-        req = pb.UpdateContainersRequest(update=updates, evict=evictions)
-        raw = await self._runtime_ep.call(RUNTIME_SERVICE, "UpdateContainers",
-                                          req.SerializeToString(),
-                                          timeout=self.runtime.request_timeout)
-        return list(pb.UpdateContainersResponse.FromString(raw).failed)
 
     # ---- the Plugin service ---------------------------------------------------------
 

@@ -29,7 +29,8 @@ _HEADER = struct.Struct(">IIBB")
 
 Bytes = bytes | bytearray | memoryview
 """What the decoders accept; they only read it during the call (what they keep, they copy)."""
-_MAX_STREAM_ID = 0xFFFFFFFF
+MAX_STREAM_ID = 0xFFFFFFFF
+"""Largest stream id the 32-bit header field holds."""
 
 
 class FrameType(enum.IntEnum):
@@ -147,7 +148,7 @@ def encode_frame(
     n = len(payload)
     if n > max_message_size:
         raise too_large("message", n, max_message_size)
-    if not (0 <= stream_id <= _MAX_STREAM_ID and 0 <= frame_type <= 0xFF and 0 <= flags <= 0xFF):
+    if not (0 <= stream_id <= MAX_STREAM_ID and 0 <= frame_type <= 0xFF and 0 <= flags <= 0xFF):
         raise ValueError(
             f"frame header out of range: stream id {stream_id}, type {frame_type}, flags {flags}"
         )

@@ -14,10 +14,11 @@ awaitable runs in its own task (such handlers run concurrently). The answer is t
 handler's bytes, the status of a TtrpcError it raises, DEADLINE_EXCEEDED when the
 request's `timeout_nano` passes while an awaitable runs (it is cancelled; a plain
 handler cannot be interrupted and its answer stands), UNKNOWN with the exception's
-text for any other exception. Nothing a peer sends or a handler does closes the
-connection. Client side: `call()` sends on the next odd stream id and waits for the
-response with that id; any number of calls may be in flight. Closing fails pending
-calls with UNAVAILABLE and cancels handlers.
+text for any other exception (an error status too large to send goes with its
+message cut short). Nothing a peer sends or a handler does closes the connection.
+Client side: `call()` sends on the next odd stream id and waits for the response
+with that id; any number of calls may be in flight. Closing fails pending calls with
+UNAVAILABLE and cancels handlers.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .codec import Bytes, FrameType
 from .errors import Code, TtrpcError
@@ -36,6 +38,7 @@ _log = logging.getLogger(__name__)
 
 _REQUEST = int(FrameType.REQUEST)
 _RESPONSE = int(FrameType.RESPONSE)
+_CUT_MESSAGE = 1024  # characters of an error message kept when the whole does not fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,9 +213,7 @@ class Endpoint:
                 else f"method {req.method!r} of service {req.service!r}"
             )
             self._write(
-                self._conn.response(
-                    req.stream_id, code=Code.UNIMPLEMENTED, message=f"{what} is not implemented"
-                )
+                self._error_frame(req.stream_id, Code.UNIMPLEMENTED, f"{what} is not implemented")
             )
             return
         loop = self._loop or self._running_loop()
@@ -255,9 +256,7 @@ class Endpoint:
         except Exception as exc:
             if isinstance(exc, TimeoutError) and timeout is not None and timeout.expired():
                 message = f"{ctx.service}/{ctx.method} did not finish before its deadline"
-                frame = self._conn.response(
-                    stream_id, code=Code.DEADLINE_EXCEEDED, message=message
-                )
+                frame = self._error_frame(stream_id, Code.DEADLINE_EXCEEDED, message)
             else:
                 frame = self._failure_frame(ctx, exc)
         finally:
@@ -276,25 +275,33 @@ class Endpoint:
         return self._conn.response(ctx.stream_id, result)
 
     def _cancelled_frame(self, ctx: CallContext) -> bytes:
-        return self._conn.response(
-            ctx.stream_id,
-            code=Code.CANCELLED,
-            message=f"handler of {ctx.service}/{ctx.method} was cancelled",
+        return self._error_frame(
+            ctx.stream_id, Code.CANCELLED, f"handler of {ctx.service}/{ctx.method} was cancelled"
         )
 
     def _failure_frame(self, ctx: CallContext, exc: Exception) -> bytes:
         """The answer to a handler's exception: a TtrpcError's own status, else UNKNOWN."""
         if isinstance(exc, TtrpcError):
-            return self._conn.response(
-                ctx.stream_id, code=exc.code, message=exc.message, details=exc.details
-            )
+            return self._error_frame(ctx.stream_id, exc.code, exc.message, exc.details)
         _log.error(
             "ttrpc_handler_failed service=%s method=%s",
             ctx.service, ctx.method, exc_info=exc,
         )
         text = str(exc)
         message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-        return self._conn.response(ctx.stream_id, code=Code.UNKNOWN, message=message)
+        return self._error_frame(ctx.stream_id, Code.UNKNOWN, message)
+
+    def _error_frame(
+        self, stream_id: int, code: Code, message: str, details: Sequence[Any] = ()
+    ) -> bytes:
+        """An error status on `stream_id`. One over the size limit (a handler's huge
+        message, a peer's huge service name quoted back) goes with its message cut short
+        and no details: the peer still gets its answer and the connection its next frame."""
+        try:
+            return self._conn.response(stream_id, code=code, message=message, details=details)
+        except TtrpcError:
+            cut = f"{message[:_CUT_MESSAGE]}... ({len(message)} characters, cut to fit)"
+            return self._conn.response(stream_id, code=code, message=cut)
 
     def _write(self, frame: bytes) -> None:
         """Send an answer; a failing transport is logged here, its end comes as connection_lost."""
@@ -318,7 +325,7 @@ class Endpoint:
             err.stream_id, err.frame_type, err.code.name, err.message,
         )
         if err.frame_type == _REQUEST:
-            self._write(self._conn.response(err.stream_id, code=err.code, message=err.message))
+            self._write(self._error_frame(err.stream_id, err.code, err.message))
         elif err.frame_type == _RESPONSE:
             future = self._pending.get(err.stream_id)
             if future is not None and not future.done():

@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from . import ttrpc_pb2
 from .codec import (
     MAX_MESSAGE_SIZE,
+    MAX_STREAM_ID,
     Bytes,
     Flags,
     Frame,
@@ -45,7 +46,6 @@ _REQUEST = int(FrameType.REQUEST)
 _RESPONSE = int(FrameType.RESPONSE)
 _DATA = int(FrameType.DATA)
 _REMOTE_OPEN = int(Flags.REMOTE_OPEN)
-_MAX_STREAM_ID = 0xFFFFFFFF
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +133,7 @@ class Connection:
         if len(body) > self._max:
             raise too_large(f"request {service}/{method}", len(body), self._max)
         stream_id = self._next_stream_id
-        if stream_id > _MAX_STREAM_ID:
+        if stream_id > MAX_STREAM_ID:
             raise TtrpcError(Code.UNAVAILABLE, "ttrpc stream ids of this connection are spent")
         self._next_stream_id = stream_id + 2
         return stream_id, encode_frame(stream_id, _REQUEST, body, max_message_size=self._max)

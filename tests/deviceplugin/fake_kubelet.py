@@ -45,6 +45,9 @@ class PluginConnection:
 
 
 class FakeKubelet(pb2_grpc.RegistrationServicer):
+    """Stands for kubelet's device manager: its Registration server on kubelet.sock and
+    its ListAndWatch client of each registered plugin (see the module docstring)."""
+
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self.socket = os.path.join(directory, "kubelet.sock")

@@ -413,16 +413,6 @@ async def test_a_handler_too_slow_for_the_runtime_gets_dropped_and_comes_back(
         assert (await sim.create_container(POD, CTR)).adjust.linux.devices
 
 
-async def test_update_containers_reaches_the_runtime(sock_path: str) -> None:
-    async with serving(Injector(), sock_path) as (sim, stub):
-        await sim.wait_for_plugin()
-        update = pb.ContainerUpdate(container_id="abc")
-        update.linux.resources.cpu.shares.value = 512
-        assert await stub.update_containers([update]) == []
-        ((plugin, request),) = sim.update_requests
-        assert plugin == "30-injector" and request.update[0] == update
-
-
 async def test_shutdown_reaches_the_plugin(sock_path: str) -> None:
     class Graceful(Injector):
         """A plugin that wants to hear about the runtime shutting down."""

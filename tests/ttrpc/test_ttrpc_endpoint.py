@@ -325,6 +325,36 @@ async def test_an_oversize_answer_becomes_resource_exhausted(sock_path: Path) ->
 
 
 @async_test
+async def test_an_error_status_too_large_to_send_goes_cut_short_on_the_same_connection(
+    sock_path: Path,
+) -> None:
+    huge = "x" * MAX_MESSAGE_SIZE
+
+    async def fails(ctx: CallContext, payload: bytes) -> bytes:
+        raise ValueError(huge)
+
+    def refuses(ctx: CallContext, payload: bytes) -> bytes:
+        raise TtrpcError(Code.INVALID_ARGUMENT, huge)
+
+    async with await serve_unix(sock_path, {SVC: {"Fails": fails, "Refuses": refuses,
+                                                  "Echo": echo}}):
+        client = await connect_unix(sock_path)
+        err = await call_error(client, "Fails", timeout=10)
+        assert err.code == Code.UNKNOWN and err.message.startswith("ValueError: xxx")
+        assert len(err.message) < 2048
+        err = await call_error(client, "Refuses", timeout=10)
+        assert err.code == Code.INVALID_ARGUMENT and len(err.message) < 2048
+        # A service name that fits in a request but not quoted back in the answer.
+        name = "S" * (MAX_MESSAGE_SIZE - 16)
+        with pytest.raises(TtrpcError) as info:
+            await client.call(name, "M", timeout=10)
+        assert info.value.code == Code.UNIMPLEMENTED
+        assert info.value.message.startswith("service 'SSS")
+        assert await client.call(SVC, "Echo", b"x", timeout=10) == b"x"
+        client.close()
+
+
+@async_test
 async def test_an_endpoint_serves_and_calls_on_one_connection() -> None:
     # NRI runs a ttrpc server and a client inside one plugin; here each side is both.
     a: Endpoint
