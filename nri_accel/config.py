@@ -1,7 +1,8 @@
 """Configuration: the TOML file (default /etc/nri-accel/config.toml) as a frozen Config.
 
 Owns: the config keys, their defaults and validation. Imports the standard library,
-nri_accel.errors and nri_accel.inventory (static device types). Reads one file.
+nri_accel.errors and nri_accel.inventory (the CDI syntax of static device kinds and
+names, which requests must be able to name). Reads one file.
 
 Keys (all optional; unknown keys are errors so typos do not pass silently):
 
@@ -44,12 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nri_accel.errors import ConfigError
+from nri_accel.inventory import DEVICE_NAME_RE, KIND_RE
 
 DEFAULT_CONFIG_PATH = "/etc/nri-accel/config.toml"
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
 
-_KIND_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$")
-_NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.:-]*$")
 _K8S_NS_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -188,11 +188,12 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
         r.no_unknown(d, {"kind", "name", "device_nodes", "env"}, where)
         kind = r.get(d, f"{where}.kind", str, None)
         dname = r.get(d, f"{where}.name", str, None)
-        if not kind or not _KIND_RE.match(kind):
+        if not kind or not KIND_RE.fullmatch(kind):
             raise ConfigError("must be vendor/class, e.g. \"acme.example/npu\"",
                               source=r.src(f"{where}.kind"))
-        if not dname or not _NAME_RE.match(dname):
-            raise ConfigError("must be a device name such as \"npu0\"",
+        if not dname or not DEVICE_NAME_RE.fullmatch(dname):
+            raise ConfigError("must be a device name such as \"npu0\" (letters, digits, "
+                              "'_', '-', '.', ':'; a letter or digit first and last)",
                               source=r.src(f"{where}.name"))
         nodes = r.str_list(d, f"{where}.device_nodes", [])
         for n in nodes:

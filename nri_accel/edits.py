@@ -69,7 +69,6 @@ if TYPE_CHECKING:
     from nri_accel.request import Request
 
 NVIDIA = "nvidia"
-NEURON = "neuron"
 BASE = ""  # the Driver capability every container using the vendor gets
 MIG_CONFIG = "mig-config"
 MIG_MONITOR = "mig-monitor"
@@ -412,10 +411,8 @@ def _driver(catalog: Catalog, vendor: str, cap: str, lib_dirs: dict[str, None],
 
 def _capabilities(catalog: Catalog, requested: frozenset[str],
                   notes: list[str]) -> tuple[str, ...]:
-    """The requested NVIDIA driver capabilities this driver has ("all": every one)."""
+    """The requested NVIDIA driver capabilities this driver has."""
     have = {cap for (vendor, cap) in catalog.drivers if vendor == NVIDIA} - NOT_CAPABILITIES
-    if "all" in requested:
-        return tuple(sorted(have))
     wanted = requested - NOT_CAPABILITIES
     missing = sorted(wanted - have)
     if missing:

@@ -11,7 +11,8 @@ nri_accel.request, and lazily nri_accel.discover (for --root) and nri_accel.nri.
                       [--config FILE] [--json]
 
 What is read from the manifest (YAML or JSON; several documents, a `kind: List`, and the
-pod template of a Deployment, StatefulSet, DaemonSet, ReplicaSet, Job or CronJob work too):
+pod template of a Deployment, StatefulSet, DaemonSet, ReplicaSet, ReplicationController,
+Job or CronJob work too):
 metadata.name, metadata.namespace ("default" when absent), metadata.uid, metadata.annotations
 (the pod annotations), and for each of spec.initContainers and spec.containers (in that
 order, the order kubelet creates them) its name, its env entries with a `value` (entries

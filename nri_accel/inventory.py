@@ -1,8 +1,9 @@
 """The node's Inventory and the container-edit types shared by every stage.
 
 Owns: the frozen data model (DeviceNode, Mount, Hook, ContainerEdits, Device,
-Driver, Problem, Inventory) and its JSON form. Imports only the standard library
-and nri_accel.errors. No I/O except `load`/`dump` helpers taking a path.
+Driver, Problem, Inventory) and its JSON form, and the syntax of what names a device
+(KIND_RE and DEVICE_NAME_RE, CDI's; PCI bus ids; natural order of names). Imports only
+the standard library and nri_accel.errors. No I/O except `Inventory.load` taking a path.
 
 ContainerEdits has the shape of CDI's `containerEdits` (env, deviceNodes, mounts,
 hooks, additionalGids), so a CDI spec loads into it and `cdi generate` writes it out.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -41,6 +43,36 @@ def vendor_of(kind: str) -> str:
 
 
 NVIDIA_VENDOR = vendor_of(KIND_GPU)  # "nvidia.com": GPUs and MIG devices
+
+# CDI names (container-device-interface pkg/parser), the one definition for the config,
+# CDI specs and requests: a kind is "vendor/class", each part a letter first, letters,
+# digits, '_', '-' and '.' inside, a letter or digit last; a device name has a letter or
+# digit first and last, and letters, digits, '_', '-', '.' and ':' inside.
+_CDI_PART = r"[A-Za-z](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?"
+KIND_RE = re.compile(rf"{_CDI_PART}/{_CDI_PART}")
+DEVICE_NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.:-]*[A-Za-z0-9])?")
+
+# "domain:bus:device.function" in hex, any case and zero padding ("0:3b:0.0", NVML's
+# "00000000:3B:00.0", sysfs's "0000:3b:00.0").
+_PCI_BUS_ID_RE = re.compile(
+    r"([0-9A-Fa-f]{1,16}):([0-9A-Fa-f]{1,8}):([0-9A-Fa-f]{1,8})\.([0-9A-Fa-f]{1,8})")
+
+
+def parse_pci_bus_id(text: str) -> tuple[int, int, int, int] | None:
+    """A PCI bus id as numbers (domain, bus, device, function); None when `text` is not
+    one (a domain over 32 bits, a bus or device over 8 bits, a function over 7)."""
+    m = _PCI_BUS_ID_RE.fullmatch(text)
+    if m is None:
+        return None
+    domain, bus, dev, fn = (int(g, 16) for g in m.groups())
+    if domain > 0xFFFFFFFF or bus > 0xFF or dev > 0xFF or fn > 7:
+        return None
+    return domain, bus, dev, fn
+
+
+def format_pci_bus_id(key: tuple[int, int, int, int]) -> str:
+    """The sysfs form of a parsed PCI bus id: "0000:3b:00.0"."""
+    return "{:04x}:{:02x}:{:02x}.{:x}".format(*key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,15 +266,6 @@ class Inventory:
     def find(self, kind: str, ident: str) -> Device | None:
         """The device of `kind` answering to `ident` (name, UUID or alias; case-insensitive)."""
         return self._index.get((kind, ident.lower()))
-
-    def find_any(self, ident: str) -> Device | None:
-        """The device of any kind answering to `ident` (used for UUIDs, which are unique)."""
-        low = ident.lower()
-        for kind in self._by_kind:
-            d = self._index.get((kind, low))
-            if d is not None:
-                return d
-        return None
 
     def driver(self, vendor: str) -> Driver | None:
         return self.drivers.get(vendor)

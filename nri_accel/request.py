@@ -3,7 +3,8 @@
 Owns: ContainerInfo, DeviceClaim, Request, parse_request() and the syntax of every
 annotation and environment variable nri-accel reads (the user-facing reference is
 README.md, "Requesting devices"). Imports nri_accel.errors, nri_accel.inventory (kind
-names and vendor_of(), the one definition of which kinds narrow each other),
+names, the CDI syntax of kinds and ids, and vendor_of(), the one definition of which
+kinds narrow each other),
 nri_accel.policy (every trust decision) and nri_accel.requirements;
 PyYAML only for the NRI device-injector's YAML list annotation. Pure: no I/O, no
 logging, same input -> same Request.
@@ -41,7 +42,14 @@ from functools import lru_cache
 import yaml
 
 from nri_accel.errors import PolicyError, RequestError
-from nri_accel.inventory import KIND_GPU, KIND_NEURON, NVIDIA_VENDOR, vendor_of
+from nri_accel.inventory import (
+    DEVICE_NAME_RE,
+    KIND_GPU,
+    KIND_NEURON,
+    KIND_RE,
+    NVIDIA_VENDOR,
+    vendor_of,
+)
 from nri_accel.policy import Origin, Policy, Verdict
 from nri_accel.requirements import (
     REQUIRE_PREFIX,
@@ -82,12 +90,9 @@ MAX_IDS = 256
 MAX_ENV_READ_CHARS = 4 * MAX_VALUE_BYTES
 MAX_NAME_CHARS = 253  # longest annotation key or variable name shown as it is in a source
 
-# CDI vendor/class (tags.cncf.io/container-device-interface/pkg/parser): a letter first,
-# letters, digits, '_', '-', '.' inside, a letter or digit last.
-_CDI_PART = r"[A-Za-z](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?"
-_KIND_RE = re.compile(rf"{_CDI_PART}/{_CDI_PART}")
-# Device ids are names, never paths: index, GPU-/MIG- UUID, PCI bus id, "0:1", CDI name.
-_ID_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.:-]{0,126}[A-Za-z0-9])?")
+# Device ids are names, never paths: index, GPU-/MIG- UUID, PCI bus id, "0:1", CDI name;
+# all in CDI's device-name syntax (inventory.DEVICE_NAME_RE), at most _MAX_ID_CHARS long.
+_MAX_ID_CHARS = 128
 # The one id with '/': R450-era MIG UUIDs, MIG-GPU-<gpu uuid>/<gi>/<ci>.
 _LEGACY_MIG_RE = re.compile(r"MIG-GPU-[0-9A-Fa-f-]{36}/[0-9]{1,3}/[0-9]{1,3}")
 _RANGE_RE = re.compile(r"([0-9]+)-([0-9]+)")
@@ -440,7 +445,7 @@ class _Claims:
 
 
 def _check_kind(kind: str, source: str) -> str:
-    if not _KIND_RE.fullmatch(kind):
+    if not KIND_RE.fullmatch(kind):
         raise RequestError(f"invalid device kind {kind!r}: expected vendor/class such as "
                            "nvidia.com/gpu", source=source)
     return kind
@@ -449,7 +454,8 @@ def _check_kind(kind: str, source: str) -> str:
 def _check_id(ident: str, source: str) -> str:
     if not ident:
         raise RequestError("empty device id", source=source)
-    if not (_ID_RE.fullmatch(ident) or _LEGACY_MIG_RE.fullmatch(ident)):
+    if not ((len(ident) <= _MAX_ID_CHARS and DEVICE_NAME_RE.fullmatch(ident))
+            or _LEGACY_MIG_RE.fullmatch(ident)):
         raise RequestError(f"invalid device id {ident!r}: ids are names such as 0, "
                            "GPU-<uuid>, 0:1 or 0000:3b:00.0, never paths", source=source)
     return ident
@@ -630,7 +636,7 @@ def _mig_caps(env: Mapping[str, str], var: str) -> bool:
     """NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES: "" asks nothing, "all" asks
     for the capability, other values are refused, as in nvidia-container-toolkit
     (migCapsDevices.Validate). parse_request refuses it where env may not grant (the
-    toolkit: in an unprivileged container); edits.py refuses it beside specific MIG
+    toolkit: in an unprivileged container); select.py refuses it beside specific MIG
     devices, which needs the selection."""
     value = env.get(var, "")
     if value not in ("", "all"):

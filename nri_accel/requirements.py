@@ -135,7 +135,7 @@ class Requirement:
 class Requirements:
     """All requirements of one container; every one must hold for each granted GPU.
 
-    The selector calls check() per granted GPU with facts "cuda" (driver's CUDA version,
+    The selector calls unsatisfied() per granted GPU with facts "cuda" (driver's CUDA version,
     "12.4"), "driver" ("550.54.15"), "arch" (compute capability, "8.0") and "brand"
     ("tesla"), and once with only cuda/driver when the container gets the driver but no
     GPU. A missing or empty fact satisfies its constraints (upstream behaviour).
@@ -149,11 +149,6 @@ class Requirements:
             if not req.holds(facts):
                 return req.source, req.explain(facts)
         return None
-
-    def check(self, facts: Mapping[str, str]) -> str | None:
-        """None when satisfied, else a message that starts with the variable's name."""
-        failed = self.unsatisfied(facts)
-        return None if failed is None else f"{failed[0]}: {failed[1]}"
 
 
 @lru_cache(maxsize=1024)  # CUDA images repeat the same constraints across alternatives

@@ -3,7 +3,7 @@
 Owns: resolving device ids against the Inventory (DeviceIndex), serving counts (the
 choice itself is nri_accel.topology's), limits, NVIDIA_REQUIRE_* checks per granted GPU,
 and the Selection record. Imports the standard library, nri_accel.errors,
-nri_accel.inventory, nri_accel.topology and (for types) nri_accel.request and
+nri_accel.inventory, nri_accel.request, nri_accel.topology and (for types)
 nri_accel.requirements.
 Pure functions over frozen data: no I/O, no NVML, no logging. The allocation *state*
 (which running container holds what) lives in nri_accel.engine and comes in as `busy`.
@@ -16,7 +16,8 @@ Semantics (the NVIDIA ones follow libnvidia-container's select_devices):
   "00000000:3B:00.0"), a "MIG-" UUID or "gpu:mig" ("7:1"). An unknown id fails the
   container with an AllocationError naming the claim's source and what the node has.
 - A GPU in MIG mode requested whole is refused (its MIG devices are what a workload can
-  use), except for a container asking for MIG config or monitor capabilities.
+  use), except for a container asking for MIG config or monitor capabilities; those
+  capabilities are refused beside specific MIG devices (they act on whole GPUs).
 - `all` is every healthy device of the kind. For nvidia.com/gpu that is every healthy GPU,
   MIG-enabled ones included, plus every healthy MIG device: the toolkit's `all`.
 - A count is served from free healthy devices (GPUs in MIG mode are never chosen by
@@ -56,13 +57,14 @@ from nri_accel.inventory import (
     NVIDIA_VENDOR,
     Device,
     Inventory,
+    parse_pci_bus_id,
     vendor_of,
 )
+from nri_accel.request import ENV_MIG_CONFIG, ENV_MIG_MONITOR, DeviceClaim, Request
 from nri_accel.topology import Topology
 from nri_accel.topology import choose as choose_positions
 
 if TYPE_CHECKING:
-    from nri_accel.request import DeviceClaim, Request
     from nri_accel.requirements import Requirements
 
 _MAX_ECHO = 64  # longest user-supplied id echoed back in an error message
@@ -117,7 +119,7 @@ class DeviceIndex:
         pci: dict[tuple[int, int, int, int], Device] = {}
         for d in inventory.of_kind(KIND_GPU):
             for ident in (d.pci_bus_id, *d.aliases):
-                key = parse_pci(ident)
+                key = parse_pci_bus_id(ident)
                 if key is not None:
                     pci.setdefault(key, d)
         self._pci = MappingProxyType(pci)
@@ -166,7 +168,7 @@ class DeviceIndex:
         found = inv.find(kind, ident)
         if found is not None or kind != KIND_GPU:
             return found
-        key = parse_pci(ident)
+        key = parse_pci_bus_id(ident)
         if key is not None and key in self._pci:
             return self._pci[key]
         return inv.find(KIND_MIG, ident)
@@ -206,18 +208,6 @@ class DeviceIndex:
 
     def _describe_for(self, kind: str) -> str:
         return self._describe.get(kind) or f"this node has no {kind} devices"
-
-
-def parse_pci(ident: str) -> tuple[int, int, int, int] | None:
-    """A PCI bus id "domain:bus:device.function" (hex, any zero padding) as numbers."""
-    if len(ident) > 32 or ident.count(":") != 2 or "." not in ident:
-        return None
-    dom, bus, rest = ident.split(":")
-    dev, _, fn = rest.partition(".")
-    try:
-        return int(dom, 16), int(bus, 16), int(dev, 16), int(fn, 16)
-    except ValueError:
-        return None
 
 
 def _describe_kind(kind: str, inventory: Inventory) -> str:
@@ -279,6 +269,8 @@ def select(request: Request, index: DeviceIndex, busy: Container[str] = frozense
     if request.nvidia_none:  # the driver without a GPU, whatever else granted GPUs
         granted = {p: d for p, d in granted.items() if vendor_of(d.kind) != NVIDIA_VENDOR}
 
+    if allow_mig_whole:
+        _refuse_mig_caps_beside_mig_devices(request, granted, held)
     order = sorted(granted)
     devices = tuple(granted[p] for p in order)
     if request.requirements is not None:
@@ -307,6 +299,22 @@ def _whole_mig_gpu(index: DeviceIndex, gpu: Device, source: str) -> RequestError
     hint = f" ({', '.join(migs)})" if migs else " (it has none configured)"
     return AllocationError(f"{gpu.qualified_name} is in MIG mode: request its MIG devices"
                            f"{hint} instead of the whole GPU", source=source)
+
+
+def _refuse_mig_caps_beside_mig_devices(request: Request, granted: Mapping[int, Device],
+                                        held: Container[int]) -> None:
+    """NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES act on whole GPUs: refused
+    when the container gets specific MIG devices (named, counted, or what a narrowing
+    request left of `all`), as nvidia-container-toolkit's migCapsDevices.Validate does."""
+    narrowed = any(vendor_of(c.kind) == NVIDIA_VENDOR for c in request.limits)
+    specific = sorted(d.qualified_name for p, d in granted.items()
+                      if d.kind == KIND_MIG and (p in held or narrowed))
+    if specific:
+        var = ENV_MIG_CONFIG if request.mig_config else ENV_MIG_MONITOR
+        shown = ", ".join(specific[:_MAX_LISTED])
+        raise RequestError(f"cannot be combined with specific MIG devices ({shown}): the MIG "
+                           "configuration and monitoring capabilities act on whole GPUs; "
+                           "request whole GPUs or all", source=f"env {var}")
 
 
 # ---- the allocator -------------------------------------------------------------------

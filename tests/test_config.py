@@ -77,6 +77,24 @@ def test_errors_name_the_key(data, fragment) -> None:
     assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize(("kind", "name", "bad_key"), [
+    ("1acme.example/npu", "npu0", "kind"),  # a CDI vendor starts with a letter
+    ("acme.example/npu", "npu0.", "name"),  # a device name ends with a letter or digit
+    ("acme.example/npu", "npu/0", "name"),
+])
+def test_static_kinds_and_names_follow_the_request_syntax(kind, name, bad_key) -> None:
+    # A static device that requests could not name would be discovered but never granted.
+    with pytest.raises(ConfigError, match=rf"static\.devices\[0\]\.{bad_key}"):
+        parse_config({"static": {"devices": [{"kind": kind, "name": name}]}})
+
+
+def test_static_kind_may_use_every_cdi_vendor_character() -> None:
+    config = parse_config({"static": {"devices": [{"kind": "Acme_Corp.example/npu-2",
+                                                   "name": "0:a_b"}]}})
+    assert [(d.kind, d.name) for d in config.static_devices] == [("Acme_Corp.example/npu-2",
+                                                                   "0:a_b")]
+
+
 def test_explicit_missing_file_and_bad_toml(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"missing\.toml"):
         load_config(str(tmp_path / "missing.toml"))

@@ -15,8 +15,10 @@ from nri_accel.inventory import (
     Inventory,
     Mount,
     Problem,
+    format_pci_bus_id,
     merge_edits,
     natural_key,
+    parse_pci_bus_id,
 )
 
 
@@ -34,7 +36,15 @@ def test_devices_sorted_naturally_and_indexed() -> None:
     assert inv.find("nvidia.com/gpu", "0000:02:00.0").name == "2"
     assert inv.find("nvidia.com/gpu", "3") is None
     assert inv.find("aws.amazon.com/neuron", "1") is None
-    assert inv.find_any("GPU-0001").name == "1"
+
+
+def test_parse_pci_bus_id_reads_every_padding_and_case() -> None:
+    assert parse_pci_bus_id("00000000:3B:00.0") == parse_pci_bus_id("0:3b:0.0") == (
+        0, 0x3B, 0, 0)
+    assert format_pci_bus_id(parse_pci_bus_id("00000001:3B:1F.7")) == "0001:3b:1f.7"
+    for bad in ("GPU-1", "7:1", "x:y:z.0", "0:3b:00.8", "0:100:00.0", "0:3b:00.0 ",
+                "0:+3b:00.0", "0:3_b:00.0", "0:0x3b:00.0"):
+        assert parse_pci_bus_id(bad) is None, bad
 
 
 def test_natural_key_orders_mig_names() -> None:

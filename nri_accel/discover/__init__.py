@@ -2,9 +2,9 @@
 
 Owns: discover(root, config) (the orchestrator), assemble(results) (its pure merge
 step), host_root(root_dir, config) and load_or_discover() for the CLI. Imports
-nri_accel.config, nri_accel.inventory, nri_accel.log and the discoverers of this
-package (nvidia, neuron, static, cdi); only nri_accel.discover.nvidia's adapter
-touches pynvml.
+nri_accel.config, nri_accel.inventory, nri_accel.log, nri_accel.discover.{base,
+hostroot} and the discoverers of this package (nvidia, neuron, static, cdi); only
+nri_accel.discover.nvml, the nvidia discoverer's adapter, touches pynvml.
 
 Discoverers run in a fixed order: nvidia, neuron (the native ones), static, cdi. A
 discoverer never stops the others: one that raises is reported as a Problem. Merging:

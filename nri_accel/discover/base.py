@@ -1,7 +1,8 @@
 """What a discoverer returns: devices, drivers and problems of one vendor or source.
 
-Owns: the Found record and host_device_node(), the one way a discoverer turns a host
-device node into a DeviceNode (type, major and minor from lstat; symlinks refused).
+Owns: the Found record, lstat_device() and host_device_node(), the one way a discoverer
+turns a host device node into a DeviceNode (type, major and minor from lstat; symlinks
+refused).
 Imports the standard library, nri_accel.errors, nri_accel.inventory and
 nri_accel.discover.hostroot.
 """
@@ -27,14 +28,12 @@ class Found:
     problems: tuple[Problem, ...] = ()
 
 
-def host_device_node(
-    root: HostRoot, host_path: str, *, container_path: str = "", permissions: str = "rwm"
-) -> DeviceNode:
-    """The DeviceNode for the host node at `host_path`, numbers taken from lstat.
+def lstat_device(root: HostRoot, host_path: str) -> tuple[str, os.stat_result]:
+    """The type ("c" or "b") and lstat of the host device node at `host_path`.
 
-    `container_path` defaults to `host_path`. Raises DiscoveryError (source: the host
-    path) when the node is missing, is a symlink, or is not a character or block device:
-    a symlink could be swapped between this check and the container's creation.
+    Raises DiscoveryError (source: the host path) when the node is missing (its cause is
+    then a FileNotFoundError), is a symlink, or is not a character or block device: a
+    symlink could be swapped between this check and the container's creation.
     """
     try:
         st = root.lstat(host_path)
@@ -47,11 +46,19 @@ def host_device_node(
         raise DiscoveryError("is a symlink; device nodes must be the node itself",
                              source=host_path)
     if stat.S_ISCHR(st.st_mode):
-        typ = "c"
-    elif stat.S_ISBLK(st.st_mode):
-        typ = "b"
-    else:
-        raise DiscoveryError("is not a character or block device", source=host_path)
+        return "c", st
+    if stat.S_ISBLK(st.st_mode):
+        return "b", st
+    raise DiscoveryError("is not a character or block device", source=host_path)
+
+
+def host_device_node(
+    root: HostRoot, host_path: str, *, container_path: str = "", permissions: str = "rwm"
+) -> DeviceNode:
+    """The DeviceNode for the host node at `host_path`, numbers taken from lstat
+    (lstat_device: DiscoveryError when it is missing, a symlink or not a device).
+    `container_path` defaults to `host_path`."""
+    typ, st = lstat_device(root, host_path)
     path = container_path or host_path
     return DeviceNode(
         path=path,

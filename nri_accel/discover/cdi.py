@@ -3,9 +3,9 @@
 Owns: discover_cdi(root, spec_dirs) -> Found (reading, validation, priorities),
 generate_specs(inventory) / render_spec(spec) / spec_file_name(kind) (writing), and
 min_version(spec), the CDI version a spec's content needs. Imports the standard
-library, PyYAML, nri_accel.inventory, nri_accel.log and nri_accel.discover.{base,
-hostroot}. Facts from cncf-tags/container-device-interface (SPEC.md, pkg/cdi,
-pkg/parser, specs-go/version.go).
+library, PyYAML, nri_accel.errors, nri_accel.inventory, nri_accel.log and
+nri_accel.discover.{base, hostroot}. Facts from cncf-tags/container-device-interface
+(SPEC.md, pkg/cdi, pkg/parser, specs-go/version.go).
 
 Reading follows what containerd and CRI-O do through pkg/cdi:
 
@@ -58,7 +58,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from types import MappingProxyType
@@ -70,6 +70,7 @@ from nri_accel.discover.base import Found, host_device_node
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import (
+    DEVICE_NAME_RE,
     KIND_GPU,
     KIND_MIG,
     KIND_NEURON,
@@ -96,7 +97,6 @@ HOOK_NAMES = frozenset({"prestart", "createRuntime", "createContainer", "startCo
 GENERATED_KINDS = (KIND_GPU, KIND_MIG, KIND_NEURON)
 DEFAULT_CAPABILITIES = {"nvidia": ("utility", "compute")}
 
-_NAME_CHARS = re.compile(r"^[A-Za-z0-9_.:-]*$")
 _QUALIFIER_CHARS = re.compile(r"^[A-Za-z0-9_.-]*$")
 _SPEC_KEYS = {"cdiVersion", "kind", "annotations", "devices", "containerEdits"}
 _DEVICE_KEYS = {"name", "annotations", "containerEdits"}
@@ -240,11 +240,7 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
     spec_edits = _edits(raw.get("containerEdits"), "containerEdits", device_level=False)
     parsed: list[tuple[str, _RawEdits, str]] = []
     names: set[str] = set()
-    for i, rd in enumerate(raw_devices):
-        where = f"devices[{i}]"
-        if not isinstance(rd, dict):
-            raise SpecError(f"{where}: must be a mapping")
-        _no_unknown(rd, _DEVICE_KEYS, where)
+    for where, rd in _mappings(raw_devices, "devices", _DEVICE_KEYS):
         name = _string(rd, "name", where, required=True)
         _check_device_name(name, f"{where}.name")
         if name in names:
@@ -354,8 +350,7 @@ def _check_kind(kind: str) -> None:
 
 
 def _check_device_name(name: str, loc: str) -> None:
-    if not name or not (name[0].isascii() and name[0].isalnum()) \
-            or not (name[-1].isascii() and name[-1].isalnum()) or not _NAME_CHARS.match(name):
+    if not DEVICE_NAME_RE.fullmatch(name):
         raise SpecError(f"{loc}: {name!r} is not a device name (letters, digits, '_', '-', "
                         "'.', ':'; starting and ending with a letter or digit)")
 
@@ -412,11 +407,7 @@ def _edits(v: Any, where: str, *, device_level: bool) -> _RawEdits:
     _check_env(env, f"{where}.env")
 
     nodes = []
-    for i, rn in enumerate(_list(v.get("deviceNodes"), f"{where}.deviceNodes")):
-        loc = f"{where}.deviceNodes[{i}]"
-        if not isinstance(rn, dict):
-            raise SpecError(f"{loc}: must be a mapping")
-        _no_unknown(rn, _NODE_KEYS, loc)
+    for loc, rn in _mappings(v.get("deviceNodes"), f"{where}.deviceNodes", _NODE_KEYS):
         path = _check_path(rn.get("path"), f"{loc}.path")
         host = rn.get("hostPath")
         host = _check_path(host, f"{loc}.hostPath") if host is not None else ""
@@ -440,11 +431,7 @@ def _edits(v: Any, where: str, *, device_level: bool) -> _RawEdits:
         ))
 
     mounts = []
-    for i, rm in enumerate(_list(v.get("mounts"), f"{where}.mounts")):
-        loc = f"{where}.mounts[{i}]"
-        if not isinstance(rm, dict):
-            raise SpecError(f"{loc}: must be a mapping")
-        _no_unknown(rm, _MOUNT_KEYS, loc)
+    for loc, rm in _mappings(v.get("mounts"), f"{where}.mounts", _MOUNT_KEYS):
         host = _check_path(rm.get("hostPath"), f"{loc}.hostPath")
         dest = _check_path(rm.get("containerPath"), f"{loc}.containerPath")
         top = PurePosixPath(dest).parts[1:2]
@@ -457,11 +444,7 @@ def _edits(v: Any, where: str, *, device_level: bool) -> _RawEdits:
         mounts.append(dataclasses.replace(mount, options=options) if options else mount)
 
     hooks = []
-    for i, rh in enumerate(_list(v.get("hooks"), f"{where}.hooks")):
-        loc = f"{where}.hooks[{i}]"
-        if not isinstance(rh, dict):
-            raise SpecError(f"{loc}: must be a mapping")
-        _no_unknown(rh, _HOOK_KEYS, loc)
+    for loc, rh in _mappings(v.get("hooks"), f"{where}.hooks", _HOOK_KEYS):
         name = _string(rh, "hookName", loc, required=True)
         if name not in HOOK_NAMES:
             raise SpecError(f"{loc}.hookName: {name!r} is not one of "
@@ -490,6 +473,16 @@ def _list(v: Any, loc: str) -> list[Any]:
     if not isinstance(v, list):
         raise SpecError(f"{loc}: must be a list")
     return v
+
+
+def _mappings(v: Any, where: str, allowed: set[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(location, entry) for each entry of the list `v`: mappings with `allowed` keys only."""
+    for i, entry in enumerate(_list(v, where)):
+        loc = f"{where}[{i}]"
+        if not isinstance(entry, dict):
+            raise SpecError(f"{loc}: must be a mapping")
+        _no_unknown(entry, allowed, loc)
+        yield loc, entry
 
 
 def _to_edits(root: HostRoot, raw: _RawEdits) -> ContainerEdits:

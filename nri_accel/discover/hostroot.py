@@ -2,7 +2,7 @@
 
 Owns: mapping host-absolute paths ("/dev/nvidiactl", "/sys/bus/pci/...",
 "/usr/lib/x86_64-linux-gnu/libcuda.so.1") to where they can be read from this
-process, and back. Imports only the standard library.
+process. Imports only the standard library.
 
 A daemon on the node uses HostRoot("/"); a DaemonSet that mounts the host at /host
 uses HostRoot("/host"); tests point it at a temporary tree. Paths that nri-accel
@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-_MAX_SYMLINK_HOPS = 40  # as the kernel (MAXSYMLINKS)
+MAX_SYMLINK_HOPS = 40  # as the kernel (MAXSYMLINKS); ldcache.resolve_in_root uses it too
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,24 +72,13 @@ class HostRoot:
                 done.append(part)
                 continue
             hops += 1
-            if hops > _MAX_SYMLINK_HOPS:
+            if hops > MAX_SYMLINK_HOPS:
                 raise OSError(errno.ELOOP, "too many levels of symbolic links", local)
             target = PurePosixPath(os.readlink(local))
             if target.is_absolute():
                 done = []
             todo = [*target.parts[1 if target.is_absolute() else 0:], *todo]
         return done
-
-    def host(self, local_path: str) -> str:
-        """Inverse of local(): the host-absolute path of a path read under the root."""
-        if self.root in ("", "/"):
-            return local_path
-        rel = os.path.relpath(local_path, self.root)
-        if rel == ".":
-            return "/"
-        if rel.startswith(".."):
-            raise ValueError(f"{local_path!r} is outside host root {self.root!r}")
-        return "/" + rel
 
     def dev_path(self, name: str) -> str:
         """Host path of a node under the device directory, e.g. dev_path('nvidiactl')."""
@@ -100,21 +88,11 @@ class HostRoot:
         """Host path of a sysfs entry, e.g. sys_path('bus/pci/devices')."""
         return str(PurePosixPath(self.sys) / rel)
 
-    def driver_path(self, rel: str) -> str:
-        """Host path of a file under the driver root."""
-        return str(PurePosixPath(self.driver_root) / rel.lstrip("/"))
-
     def lstat(self, host_path: str) -> os.stat_result:
         return os.lstat(self.local(host_path))
 
     def exists(self, host_path: str) -> bool:
         return os.path.lexists(self.local(host_path))
-
-    def is_char_device(self, host_path: str) -> bool:
-        try:
-            return stat.S_ISCHR(self.lstat(host_path).st_mode)
-        except OSError:
-            return False
 
     def read_text(self, host_path: str) -> str:
         with open(self.local(host_path), encoding="utf-8", errors="replace") as f:

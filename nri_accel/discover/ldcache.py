@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nri_accel.discover.elf import read_elf
-from nri_accel.discover.hostroot import HostRoot
+from nri_accel.discover.hostroot import MAX_SYMLINK_HOPS, HostRoot
 from nri_accel.inventory import Problem
 
 LD_SO_CACHE = "/etc/ld.so.cache"
@@ -44,7 +44,6 @@ _OLD_MAGIC = b"ld.so-1.7.0\0"
 _NEW_HEADER = struct.Struct("<20sIIB3xI12x")
 _NEW_ENTRY = struct.Struct("<iIIIQ")
 _OLD_ENTRY = struct.Struct("<iII")
-_MAX_SYMLINKS = 40
 _MAX_CACHE_BYTES = 64 << 20  # a real ld.so.cache is well under 1 MiB
 _PATH_MAX = 4096  # longest string read from the cache (Linux PATH_MAX)
 _FILE_NAME_RE = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")
@@ -180,7 +179,7 @@ def resolve_in_root(base: str, path: str, start: str = "/") -> str | None:
             return None
         if stat.S_ISLNK(st.st_mode):
             links += 1
-            if links > _MAX_SYMLINKS:
+            if links > MAX_SYMLINK_HOPS:
                 return None
             try:
                 target = os.readlink(local)

@@ -1,7 +1,8 @@
 """AWS Neuron (Inferentia, Trainium) discovery from /dev and sysfs.
 
-Owns: discover_neuron(root) -> Found. Imports the standard library, nri_accel.inventory,
-nri_accel.log and nri_accel.discover.{base,hostroot}. No ioctl, no Neuron library.
+Owns: discover_neuron(root) -> Found. Imports the standard library, nri_accel.errors,
+nri_accel.inventory, nri_accel.log and nri_accel.discover.{base,hostroot}. No ioctl, no
+Neuron library.
 
 What the aws-neuron-driver exposes (neuron_cdev.c, neuron_module.c) and is read here,
 through the HostRoot:

@@ -3,8 +3,8 @@
 Owns: discover_nvidia(root) and the NVIDIA facts it encodes (which libraries and
 binaries each driver capability brings, brand/architecture names, MIG profiles, device
 node and capability-file layout). Imports nri_accel.discover.{nvml, ldcache,
-hostroot, base}, nri_accel.inventory and nri_accel.log; never pynvml itself (the nvml
-adapter does). Runs at startup and on refresh, never on a CreateContainer.
+hostroot, base}, nri_accel.errors, nri_accel.inventory and nri_accel.log; never pynvml
+itself (the nvml adapter does). Runs at startup and on refresh, never on a CreateContainer.
 
 What it finds:
 - libnvidia-ml.so.1 located in the driver root like the node's loader would
@@ -20,11 +20,11 @@ What it finds:
   compute instances' "access" capabilities; parent = the GPU's name).
 - Driver("nvidia") with its files by capability, as libnvidia-container grants them
   (src/nvc_info.c lists, src/nvc_mount.c rules):
-    ""          /dev/nvidiactl
+    ""          /dev/nvidiactl, GSP firmware
     utility     NVML & co. libraries, nvidia-smi/-debugdump/-persistenced/nv-fabricmanager,
-                GSP firmware, the persistenced and fabric manager sockets
-    compute     CUDA libraries, the MPS binaries, GSP firmware, /dev/nvidia-uvm,
-                /dev/nvidia-uvm-tools, the MPS pipe directory
+                the persistenced and fabric manager sockets
+    compute     CUDA libraries, the MPS binaries, /dev/nvidia-uvm, /dev/nvidia-uvm-tools,
+                the MPS pipe directory
     video       video libraries plus what compute brings except its binaries
     graphics    OpenGL/EGL/Vulkan libraries
     display     the graphics libraries and /dev/nvidia-modeset
@@ -57,9 +57,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from nri_accel.discover import nvml
-from nri_accel.discover.base import Found
+from nri_accel.discover.base import Found, lstat_device
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.discover.ldcache import ARCHES, COMPAT32, Arch, Locator
+from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import (
     KIND_GPU,
     KIND_MIG,
@@ -69,7 +70,9 @@ from nri_accel.inventory import (
     Driver,
     Mount,
     Problem,
+    format_pci_bus_id,
     merge_edits,
+    parse_pci_bus_id,
 )
 from nri_accel.log import get_logger
 
@@ -134,17 +137,15 @@ _NVLINK_GPU = 0
 _NVLINK_SWITCH = 2
 _PROFILE_RE = re.compile(r"^(\d+c\.)?\d+g\.\d+gb(\+[a-z0-9]+)*$")
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?$")
-_BUS_ID_RE = re.compile(r"^([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])$")
 
 
 def normalise_pci_bus_id(value: str) -> str:
     """A PCI bus id in sysfs form, "0000:07:00.0", from NVML's "00000000:07:00.0" or
     any case/width variant. Raises ValueError for anything else."""
-    m = _BUS_ID_RE.match(value.strip())
-    if not m:
+    key = parse_pci_bus_id(value.strip())
+    if key is None:
         raise ValueError(f"not a PCI bus id: {value!r}")
-    domain, bus, dev, fn = m.groups()
-    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{fn}"
+    return format_pci_bus_id(key)
 
 
 def discover_nvidia(root: HostRoot) -> Found:
@@ -204,26 +205,19 @@ class _Scan:
 
     def node(self, name: str, *, expect: tuple[int | None, int | None] = (None, None),
              what: str, required: bool = True) -> DeviceNode | None:
-        """The character device /dev/<name>, from lstat of the host node. `expect`:
-        (major, minor) it must have (None: any). Problems name the node and `what`
-        is left out. A missing node that is not `required` is silently absent."""
+        """The character device /dev/<name>, from lstat of the host node (lstat_device).
+        `expect`: (major, minor) it must have (None: any). Problems name the node and
+        `what` is left out. A missing node that is not `required` is silently absent."""
         host = self.root.dev_path(name)
         try:
-            st = self.root.lstat(host)
-        except FileNotFoundError:
-            if required:
-                self.problems.append(Problem(host, f"missing: {what} is left out"))
+            typ, st = lstat_device(self.root, host)
+        except DiscoveryError as e:
+            if required or not isinstance(e.__cause__, FileNotFoundError):
+                self.problems.append(Problem(host, f"{e.message}: {what} is left out"))
             return None
-        except OSError as e:
-            self.problems.append(Problem(host, f"cannot stat ({e.strerror}): {what} is left out"))
-            return None
-        if stat.S_ISLNK(st.st_mode):
-            self.problems.append(Problem(host, (
-                f"is a symlink, refused (device numbers are taken only from the node "
-                f"itself): {what} is left out")))
-            return None
-        if not stat.S_ISCHR(st.st_mode):
-            self.problems.append(Problem(host, f"is not a character device: {what} is left out"))
+        if typ != "c":
+            self.problems.append(Problem(host, f"is a block device, not a character "
+                                               f"device: {what} is left out"))
             return None
         major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
         want_major, want_minor = expect
@@ -492,13 +486,14 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
     modeset = scan.node("nvidia-modeset", expect=(NVIDIA_MAJOR, MODESET_MINOR),
                         what="/dev/nvidia-modeset (display)", required=False)
     caps = {
-        "": ContainerEdits(device_nodes=nodes(ctl)),
+        # GSP firmware with every capability, as libnvidia-container mounts it: the kernel
+        # loads it from the mount namespace of whoever first opens the GPU.
+        "": ContainerEdits(device_nodes=nodes(ctl), mounts=tuple(firmware)),
         "utility": ContainerEdits(mounts=(
-            *libs(UTILITY_LIBS, locator.arch, LIB_DIR), *bins(UTILITY_BINS), *firmware,
+            *libs(UTILITY_LIBS, locator.arch, LIB_DIR), *bins(UTILITY_BINS),
             *ipc(PERSISTENCED_SOCKET, stat.S_ISSOCK, "socket"),
             *ipc(FABRICMANAGER_SOCKET, stat.S_ISSOCK, "socket"))),
-        "compute": compute_core.merged(ContainerEdits(mounts=(*bins(COMPUTE_BINS),
-                                                              *firmware))),
+        "compute": compute_core.merged(ContainerEdits(mounts=tuple(bins(COMPUTE_BINS)))),
         "video": ContainerEdits(mounts=tuple(libs(VIDEO_LIBS, locator.arch,
                                                   LIB_DIR))).merged(compute_core),
         "graphics": ContainerEdits(mounts=tuple(graphics_libs)),

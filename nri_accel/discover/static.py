@@ -1,7 +1,7 @@
 """Static devices: hardware with no discoverer, declared in the config file.
 
 Owns: discover_static(root, devices) -> Found. Imports nri_accel.config (StaticDevice),
-nri_accel.inventory and nri_accel.discover.{base,hostroot}.
+nri_accel.errors, nri_accel.inventory and nri_accel.discover.{base,hostroot}.
 
 Each `[[static.devices]]` entry becomes one Device (vendor "", attribute origin
 "config") whose edits are its device nodes and env. The config gives only host paths;

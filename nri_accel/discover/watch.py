@@ -2,7 +2,8 @@
 
 Owns: watch_state() (the cheap change probe), nodes_match(), diff() and Refresher (the
 background asyncio task). Imports the standard library, nri_accel.config,
-nri_accel.inventory, nri_accel.log and nri_accel.discover (discover, HostRoot).
+nri_accel.errors, nri_accel.inventory, nri_accel.log and nri_accel.discover (discover,
+lstat_device, HostRoot).
 
 A poll every `discovery.refresh_interval` seconds (0 disables) costs a few dozen
 stat()s and two tiny reads; nothing is rediscovered unless one of these moved:
@@ -40,14 +41,16 @@ from typing import Any
 
 from nri_accel.config import Config
 from nri_accel.discover import discover
+from nri_accel.discover.base import lstat_device
 from nri_accel.discover.hostroot import HostRoot
+from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import DeviceNode, Inventory
 from nri_accel.log import get_logger
 
 log = get_logger(__name__)
 
-VERSION_FILES = ("/proc/driver/nvidia/version", "/sys/module/nvidia/version",
-                 "/sys/module/neuron/version")
+PROC_VERSION_FILES = ("/proc/driver/nvidia/version",)
+SYS_VERSION_FILES = ("module/nvidia/version", "module/neuron/version")  # under HostRoot.sys
 DEV_PREFIXES = ("nvidia", "neuron")
 MIG_CAPS_DIR = "/proc/driver/nvidia/capabilities"
 
@@ -58,7 +61,7 @@ OnChange = Callable[[Inventory], Awaitable[None] | None]
 def watch_state(root: HostRoot, config: Config) -> State:
     """The cheap probe: everything whose change means the node may have changed."""
     out: list[tuple[str, Any]] = []
-    for path in VERSION_FILES:
+    for path in (*PROC_VERSION_FILES, *(root.sys_path(rel) for rel in SYS_VERSION_FILES)):
         try:
             out.append((path, root.read_text(path)))
         except (OSError, ValueError):
@@ -112,10 +115,9 @@ def nodes_match(root: HostRoot, inventory: Inventory) -> bool:
                 nodes.setdefault(n.source, n)
     for path, n in nodes.items():
         try:
-            st = root.lstat(path)
-        except (OSError, ValueError):
+            kind, st = lstat_device(root, path)
+        except DiscoveryError:  # gone, a symlink now, or no longer a device
             return False
-        kind = "c" if stat.S_ISCHR(st.st_mode) else "b" if stat.S_ISBLK(st.st_mode) else ""
         if (kind, os.major(st.st_rdev), os.minor(st.st_rdev)) != (n.type, n.major, n.minor):
             return False
     return True

@@ -129,12 +129,15 @@ def test_a100_driver_files(a100: Found) -> None:
 
 
 def test_a100_utility_firmware_and_ipc(a100: Found) -> None:
-    utility = mounts(driver(a100), "utility")
+    # GSP firmware comes with every capability (libnvidia-container mounts it whatever
+    # the capabilities): the kernel loads it where the GPU is first opened.
     fw = "/lib/firmware/nvidia/550.54.15"
-    assert {k: v for k, v in utility.items() if k.startswith(fw)} == {
+    assert mounts(driver(a100), "") == {
         f"{fw}/gsp_ga10x.bin": "/usr/lib/firmware/nvidia/550.54.15/gsp_ga10x.bin",
         f"{fw}/gsp_tu10x.bin": "/usr/lib/firmware/nvidia/550.54.15/gsp_tu10x.bin",
     }
+    utility = mounts(driver(a100), "utility")
+    assert not any(k.startswith(fw) for k in utility)
     assert utility["/run/nvidia-persistenced/socket"] == "/run/nvidia-persistenced/socket"
     assert utility["/run/nvidia-fabricmanager/socket"] == "/run/nvidia-fabricmanager/socket"
     assert utility["/usr/bin/nvidia-smi"] == "/usr/bin/nvidia-smi"
@@ -201,7 +204,7 @@ def test_h100_driver_root(fake_root: FakeRoot) -> None:
     dr = "/run/nvidia/driver"
     assert (drv.version, drv.cuda_version) == ("570.124.06", "12.8")
     assert mounts(drv, "compute")[f"{LIB}/libcuda.so.1"] == f"{dr}{X86}/libcuda.so.570.124.06"
-    assert mounts(drv, "utility")["/lib/firmware/nvidia/570.124.06/gsp_ga10x.bin"] == \
+    assert mounts(drv, "")["/lib/firmware/nvidia/570.124.06/gsp_ga10x.bin"] == \
         f"{dr}/usr/lib/firmware/nvidia/570.124.06/gsp_ga10x.bin"
     assert mounts(drv, "utility")["/run/nvidia-persistenced/socket"] == \
         f"{dr}/run/nvidia-persistenced/socket"
@@ -330,26 +333,27 @@ def test_broken_device_nodes(fake_root: FakeRoot) -> None:
     assert "arch" not in by_name(found, KIND_GPU)["0"].attributes
     problems = {p.source: p.message for p in found.problems}
     assert problems["nvidia"] == "GPU 0: nvmlDeviceGetArchitecture failed: Unknown Error"
-    assert problems["/dev/nvidia1"].startswith("is a symlink, refused")
+    assert problems["/dev/nvidia1"].startswith("is a symlink; device nodes must be the node")
     assert problems["/dev/nvidia1"].endswith("GPU 1 (GPU-ed49ff90-4672-c08f-aff6-58a61746305f)"
                                              " is left out")
-    assert problems["/dev/nvidia-caps/nvidia-cap49"].startswith("is a symlink, refused")
+    assert problems["/dev/nvidia-caps/nvidia-cap49"].startswith("is a symlink; device nodes")
     assert "MIG device 0:1" in problems["/dev/nvidia-caps/nvidia-cap49"]
     assert problems["/dev/char/195:0"].startswith("missing (a link to /dev/nvidia0)")
     assert problems["/dev/char/195:255"].startswith("points to ../nvidia0, not /dev/nvidiactl")
-    assert problems["/dev/nvidia-uvm"] == "missing: /dev/nvidia-uvm (compute) is left out"
+    assert problems["/dev/nvidia-uvm"] == (
+        "device node does not exist: /dev/nvidia-uvm (compute) is left out")
     assert len(found.problems) == 6
     assert nodes(driver(found), "compute") == []
     assert nodes(driver(found), "") == [("/dev/nvidiactl", 195, 255)]
 
 
 @pytest.mark.parametrize(("make", "expected"), [
-    (lambda p: None, "missing: GPU 3"),
-    (lambda p: p.write_text(""), "is not a character device: GPU 3"),
+    (lambda p: None, "device node does not exist: GPU 3"),
+    (lambda p: p.write_text(""), "is not a character or block device: GPU 3"),
     (lambda p: os.mknod(p, stat.S_IFCHR | 0o666, os.makedev(195, 9)),
      "is device 195:9, expected 195:3: GPU 3"),
     (lambda p: os.mknod(p, stat.S_IFBLK | 0o666, os.makedev(195, 3)),
-     "is not a character device: GPU 3"),
+     "is a block device, not a character device: GPU 3"),
 ])
 def test_bad_gpu_node_is_refused(fake_root: FakeRoot, make: Callable[[Path], None],
                                  expected: str) -> None:
@@ -361,6 +365,19 @@ def test_bad_gpu_node_is_refused(fake_root: FakeRoot, make: Callable[[Path], Non
     assert list(by_name(found, KIND_GPU)) == ["0", "1", "2"]
     assert [p.source for p in found.problems] == ["/dev/nvidia3"]
     assert found.problems[0].message.startswith(expected)
+
+
+def test_optional_node_absent_is_silent_but_a_symlink_is_reported(fake_root: FakeRoot) -> None:
+    root = fake_root("h100")
+    os.unlink(root.local("/dev/nvidia-uvm-tools"))
+    found = discover_nvidia(root)
+    assert found.problems == ()
+    assert nodes(driver(found), "compute") == [("/dev/nvidia-uvm", 509, 0)]
+    os.symlink("nvidia-uvm", root.local("/dev/nvidia-uvm-tools"))
+    problems = {p.source: p.message for p in discover_nvidia(root).problems}
+    assert problems == {"/dev/nvidia-uvm-tools": (
+        "is a symlink; device nodes must be the node itself: /dev/nvidia-uvm-tools "
+        "(compute) is left out")}
 
 
 def test_nodes_carry_host_path_when_dev_is_elsewhere(fake_root: FakeRoot) -> None:

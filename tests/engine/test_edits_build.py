@@ -23,7 +23,7 @@ from nri_accel.inventory import (
     Inventory,
     Mount,
 )
-from nri_accel.request import DeviceClaim, Request
+from nri_accel.request import ALL_CAPABILITIES, DeviceClaim, Request
 from nri_accel.select import DeviceIndex, select
 
 SRC = "container annotation devices.nri-accel.io"
@@ -82,7 +82,7 @@ def test_mig_device_brings_its_caps_nodes_and_its_parent_gpu_node():
 
 def test_capabilities_all_and_missing_ones():
     inv = demo_inventory()
-    edits, notes = edits_for(inv, gpu_ids("0", capabilities=frozenset({"all"})))
+    edits, notes = edits_for(inv, gpu_ids("0", capabilities=ALL_CAPABILITIES))
     assert env_of(edits)["NVIDIA_DRIVER_CAPABILITIES"] == (
         "compat32,compute,display,graphics,ngx,utility,video")
     assert "/dev/nvidia-modeset" in {n.path for n in edits.device_nodes}  # display
@@ -95,6 +95,15 @@ def test_capabilities_all_and_missing_ones():
     assert env_of(edits)["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
     assert notes == ("driver capabilities with no files on this node: ngx",)
     assert f"{LIB64}/libcuda.so.1" not in {m.container_path for m in edits.mounts}
+
+
+@pytest.mark.parametrize("caps", [{"graphics"}, {"video"}, {"utility"}, {"compute"}])
+def test_gsp_firmware_comes_with_every_capability(caps):
+    # As libnvidia-container mounts it: the kernel loads it where the GPU is first opened.
+    edits, _ = edits_for(demo_inventory(), gpu_ids("0", capabilities=frozenset(caps)))
+    assert {"/lib/firmware/nvidia/550.54.15/gsp_ga10x.bin",
+            "/lib/firmware/nvidia/550.54.15/gsp_tu10x.bin"} <= {
+        m.container_path for m in edits.mounts}
 
 
 def test_nvidia_none_gets_the_driver_without_a_gpu():
@@ -296,7 +305,7 @@ def test_mount_options_always_include_ro_nosuid_nodev():
 
 
 def test_every_demo_mount_is_read_only_nosuid_nodev():
-    edits, _ = edits_for(demo_inventory(), gpu_ids("0", capabilities=frozenset({"all"})))
+    edits, _ = edits_for(demo_inventory(), gpu_ids("0", capabilities=ALL_CAPABILITIES))
     assert edits.mounts
     for m in edits.mounts:
         assert {"ro", "nosuid", "nodev"} <= set(m.options)

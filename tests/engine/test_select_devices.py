@@ -11,7 +11,7 @@ from nri_accel.errors import AllocationError, PolicyError, RequestError
 from nri_accel.inventory import KIND_GPU, KIND_MIG, ContainerEdits, Device, DeviceNode, Inventory
 from nri_accel.request import DeviceClaim, Request
 from nri_accel.requirements import Requirements, parse_requirement
-from nri_accel.select import DeviceIndex, choose, parse_pci, select
+from nri_accel.select import DeviceIndex, choose, select
 
 SRC = "annotation devices.nri-accel.io/pod"
 
@@ -88,6 +88,36 @@ def test_whole_mig_gpu_is_refused_with_its_mig_devices_named(index):
 def test_whole_mig_gpu_is_allowed_for_mig_config(index):
     req = Request(grants=ids("7").grants, mig_config=True)
     assert names(select(req, index)) == ["nvidia.com/gpu=7"]
+
+
+@pytest.mark.parametrize("claim", [
+    DeviceClaim(KIND_GPU, ids=("7:0",), source="env NVIDIA_VISIBLE_DEVICES"),  # by index
+    DeviceClaim(KIND_GPU, ids=(MIG_UUIDS["7:2"],), source=SRC),  # by UUID
+    DeviceClaim(KIND_MIG, count=1, source=SRC),  # counted
+])
+@pytest.mark.parametrize(("config", "monitor", "var"), [
+    (True, False, "NVIDIA_MIG_CONFIG_DEVICES"), (False, True, "NVIDIA_MIG_MONITOR_DEVICES")])
+def test_mig_caps_are_refused_beside_specific_mig_devices(index, claim, config, monitor, var):
+    # nvidia-container-toolkit's migCapsDevices.Validate: the capabilities act on whole GPUs.
+    with pytest.raises(RequestError, match="specific MIG devices") as e:
+        select(Request(grants=(claim,), mig_config=config, mig_monitor=monitor), index)
+    assert e.value.source == f"env {var}"
+
+
+def test_mig_caps_are_refused_when_a_limit_narrows_all_to_mig_devices(index):
+    req = Request(grants=(DeviceClaim(KIND_GPU, all=True, source=SRC),),
+                  limits=(DeviceClaim(KIND_GPU, ids=("7:0",), source="env X"),),
+                  mig_monitor=True)
+    with pytest.raises(RequestError, match=r"nvidia\.com/mig=7:0"):
+        select(req, index)
+
+
+def test_mig_caps_with_all_or_whole_gpus(index):
+    every = select(Request(grants=(DeviceClaim(KIND_GPU, all=True, source=SRC),),
+                           mig_config=True, mig_monitor=True), index)
+    assert "nvidia.com/mig=7:0" in names(every)  # all: the MIG manager's own request
+    req = Request(grants=ids("0", "7").grants, mig_monitor=True)
+    assert names(select(req, index)) == ["nvidia.com/gpu=0", "nvidia.com/gpu=7"]
 
 
 # ---- all -----------------------------------------------------------------------------------
@@ -317,12 +347,6 @@ def test_driver_only_container_checks_driver_facts(index):
 
 
 # ---- helpers ------------------------------------------------------------------------------
-
-def test_parse_pci():
-    assert parse_pci("00000000:3B:00.0") == parse_pci("0:3b:0.0") == (0, 0x3B, 0, 0)
-    assert parse_pci("GPU-1") is None
-    assert parse_pci("7:1") is None
-    assert parse_pci("x:y:z.0") is None
 
 
 def _gpus(n: int, *, unhealthy: set[str] = frozenset(), links: dict | None = None,

@@ -118,9 +118,9 @@ def test_every_variable_must_hold_and_jetpack_is_skipped() -> None:
     })
     assert reqs is not None
     assert [r.source for r in reqs.items] == ["env NVIDIA_REQUIRE_ARCH", SRC]
-    assert reqs.check({"cuda": "12.4", "arch": "9.0"}) is None
-    assert reqs.check({"cuda": "12.4", "arch": "7.5"}) == (
-        "env NVIDIA_REQUIRE_ARCH: unsatisfied condition: arch>=8.0 (this GPU has arch=7.5)")
+    assert reqs.unsatisfied({"cuda": "12.4", "arch": "9.0"}) is None
+    assert reqs.unsatisfied({"cuda": "12.4", "arch": "7.5"}) == (
+        "env NVIDIA_REQUIRE_ARCH", "unsatisfied condition: arch>=8.0 (this GPU has arch=7.5)")
     assert reqs.unsatisfied({"cuda": "11.8", "arch": "9.0"}) == (
         SRC, "unsatisfied condition: cuda>=12.0 (this GPU has cuda=11.8); update the driver "
              "or use an image built for an earlier CUDA")
@@ -128,9 +128,11 @@ def test_every_variable_must_hold_and_jetpack_is_skipped() -> None:
 
 def test_message_counts_alternatives() -> None:
     reqs = Requirements((parse_requirement(SRC, CUDA_12_4),))
-    msg = reqs.check({"cuda": "12.0", "driver": "525.60.13", "brand": "tesla"})
-    assert msg is not None
-    assert msg.startswith(f"{SRC}: unsatisfied condition: cuda>=12.4 (this GPU has cuda=12.0)")
+    failed = reqs.unsatisfied({"cuda": "12.0", "driver": "525.60.13", "brand": "tesla"})
+    assert failed is not None
+    source, msg = failed
+    assert source == SRC
+    assert msg.startswith("unsatisfied condition: cuda>=12.4 (this GPU has cuda=12.0)")
     assert "none of the 4 alternatives holds" in msg
 
 
