@@ -19,9 +19,9 @@ module does and does not emit:
   merge_edits).
 - NRI has no adjustment for additional GIDs: ContainerEdits.additional_gids is not
   representable and is left out.
-Order is deterministic: devices by path, mounts parents-first then by destination
-(the order the runtime sorts them into), env and hooks as given, CDI names sorted;
-the stub serialises maps with sorted keys.
+Order is deterministic: devices by path in natural order (nvidia2 before nvidia10),
+mounts parents-first then by destination (the order the runtime sorts them into), env
+and hooks as given, CDI names sorted; the stub serialises maps with sorted keys.
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ from collections.abc import Iterable, Mapping
 
 from google.protobuf import json_format
 
-from nri_accel.inventory import ContainerEdits, DeviceNode, Hook, Mount, merge_edits
+from nri_accel.inventory import (
+    ContainerEdits,
+    DeviceNode,
+    Hook,
+    Mount,
+    merge_edits,
+    natural_key,
+)
 from nri_accel.nri import nri_pb2 as pb
 
 MAX_MEMO_ENV_CHARS = 16384  # adjustments whose env is larger are not memoised
@@ -74,7 +81,7 @@ def _encode(edits: ContainerEdits, annotations: tuple[tuple[str, str], ...],
     adj.annotations.update(annotations)
     if edits.device_nodes:
         adj.linux.devices.extend(
-            linux_device(n) for n in sorted(edits.device_nodes, key=lambda n: n.path))
+            linux_device(n) for n in sorted(edits.device_nodes, key=lambda n: natural_key(n.path)))
     if edits.mounts:
         adj.mounts.extend(nri_mount(m) for m in sorted(edits.mounts, key=_mount_order))
     if edits.env:
