@@ -17,6 +17,8 @@ from pathlib import Path
 from types import MappingProxyType
 
 import structlog
+from demo_node import DEMO_INVENTORY as DEMO_INVENTORY  # re-exported: tests/demo_node.py
+from demo_node import demo_inventory as demo_inventory
 
 from nri_accel.config import Config, DevicesConfig, PolicyConfig
 from nri_accel.inventory import (
@@ -34,7 +36,6 @@ from nri_accel.request import ContainerInfo
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_DIR = REPO / "nri_accel" / "demo"
-DEMO_INVENTORY = DEMO_DIR / "inventory.json"
 DEMO_CONFIG = DEMO_DIR / "config.toml"
 DEMO_PODS = DEMO_DIR / "pods.yaml"
 
@@ -48,14 +49,6 @@ MIG_UUIDS = {
     "7:2": "MIG-3f7a9c2e-8b1d-5c4f-a2e9-6d8b1f5c3e1a",
 }
 
-
-_DEMO: list[Inventory] = []
-
-
-def demo_inventory() -> Inventory:
-    if not _DEMO:
-        _DEMO.append(Inventory.load(DEMO_INVENTORY))
-    return _DEMO[0]
 
 
 def standalone() -> Config:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from nri_accel import plugin as plugin_mod
@@ -65,16 +63,7 @@ class FakeEngine:
 POD = make_pod({"name": "pod0", "namespace": "ml"})
 
 
-@pytest.fixture(autouse=True)
-def log_everything() -> Iterator[None]:
-    """Whatever level an earlier test configured, these tests see info lines; the
-    configuration is restored afterwards."""
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        yield
-    finally:
-        structlog.configure(**saved)
+pytestmark = pytest.mark.usefixtures("all_logs")  # tests/conftest.py
 
 
 def test_create_container_plans_builds_and_logs_one_canonical_line() -> None:

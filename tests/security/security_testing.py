@@ -11,27 +11,17 @@ plugin Allocate response: the one source a pod author cannot write.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from types import MappingProxyType
+
+from demo_node import demo_inventory  # tests/demo_node.py
 
 from nri_accel.config import Config, DevicesConfig, PolicyConfig
 from nri_accel.engine import Engine
 from nri_accel.inventory import Inventory
 from nri_accel.request import GRANT_KEY_PREFIX, ContainerInfo
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO_INVENTORY = REPO / "nri_accel" / "demo" / "inventory.json"
 DEVICE_PLUGIN_KEY = GRANT_KEY_PREFIX + "nvidia.com_gpu"
 TRUSTED_NS = "gpu-operator"
-
-_DEMO: list[Inventory] = []
-
-
-def demo_inventory() -> Inventory:
-    if not _DEMO:
-        _DEMO.append(Inventory.load(DEMO_INVENTORY))
-    return _DEMO[0]
-
 
 def config(mode: str = "kubernetes", *, hooks: bool = False, hook_path: str = "") -> Config:
     return Config(policy=PolicyConfig(mode=mode, trusted_namespaces=frozenset({TRUSTED_NS})),

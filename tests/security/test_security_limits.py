@@ -4,13 +4,10 @@ daemon keeps and parses, and what it logs or sends back is printable and short."
 from __future__ import annotations
 
 import gc
-import logging
 import re
 import tracemalloc
-from collections.abc import Iterator
 
 import pytest
-import structlog
 from security_testing import DEVICE_PLUGIN_KEY, container, engine
 from structlog.testing import capture_logs
 
@@ -87,17 +84,7 @@ def test_errors_name_hostile_keys_printably_and_briefly(where: dict[str, object]
     assert len(text) < 1024
 
 
-@pytest.fixture
-def info_logs() -> Iterator[None]:
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        yield
-    finally:
-        structlog.configure(**saved)
-
-
-@pytest.mark.usefixtures("info_logs")
+@pytest.mark.usefixtures("all_logs")
 def test_log_lines_escape_control_characters_in_names() -> None:
     pod = make_pod({"name": "p\n{\"event\":\"forged\"}", "namespace": "ns\x1b[2J"})
     accel = AccelPlugin(engine("standalone"))
