@@ -9,8 +9,12 @@ runc containers, mounts, cgroups) even when a test fails half way, and the place
 inventory for the container that starts. Imports the standard library and grpc_tools;
 no nri_accel module (it reads the inventory's JSON form).
 
-The binaries come from tests/e2e/fetch-containerd.sh: NRI_ACCEL_E2E_BIN names the
-directory holding containerd, ctr, containerd-shim-runc-v2 and runc.
+The binaries come from tests/e2e/fetch-containerd.sh: NRI_ACCEL_E2E_BIN names a
+directory of containerd-* directories (what the script prints), each holding containerd,
+ctr, containerd-shim-runc-v2 and runc, or one such directory; find_runtimes lists them
+with their versions, and the containerd configuration is written for each version: config
+version 2 (the CRI plugin's one table) for 1.x, version 3 (CRI split in runtime, images
+and server plugins) for 2.x.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -48,6 +53,66 @@ ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.
 
 class E2EError(RuntimeError):
     """A step of the harness failed; the message says which and carries the output."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """One containerd to test: the directory holding TOOLS and the version that
+    `containerd --version` reports ((0, 0, 0) with `error` set when it does not run)."""
+
+    bin_dir: Path
+    version: tuple[int, int, int]
+    error: str = ""
+
+    @property
+    def id(self) -> str:
+        """The test id: containerd-1.7.24, or the directory's name when it did not run."""
+        if self.error:
+            return self.bin_dir.name
+        return "containerd-" + ".".join(map(str, self.version))
+
+
+def find_runtimes(path: Path) -> list[Runtime]:
+    """The containerds under `path`: `path` itself when it holds a containerd, else each
+    subdirectory that does, by name. A `path` with neither gives one Runtime for `path`
+    whose error says so (the test fails on it, never skips)."""
+    path = path.resolve()
+    if (path / "containerd").exists():
+        dirs = [path]
+    else:
+        dirs = sorted(d for d in path.iterdir() if (d / "containerd").exists()) \
+            if path.is_dir() else []
+    if not dirs:
+        return [Runtime(path, (0, 0, 0), f"{path} holds no containerd, nor any directory "
+                                         "that does: run tests/e2e/fetch-containerd.sh")]
+    return [_runtime(d) for d in dirs]
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """The leading MAJOR.MINOR.PATCH of a containerd version, as `containerd --version`
+    prints it and NRI's Configure carries it: v1.7.24, 1.7.24~ds1 (Debian's 1.7),
+    2.1.9+unknown (Debian's 2.x)."""
+    found = re.match(r"v?(\d+)\.(\d+)\.(\d+)", text)
+    if found is None:
+        return None
+    major, minor, patch = map(int, found.groups())
+    return major, minor, patch
+
+
+def _runtime(bin_dir: Path) -> Runtime:
+    """The Runtime of `bin_dir`, from `containerd --version`, which prints
+    'containerd <module> <version> <revision>'."""
+    argv = [str(bin_dir / "containerd"), "--version"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except OSError as exc:
+        return Runtime(bin_dir, (0, 0, 0), f"{argv[0]}: {exc}")
+    fields = out.stdout.split()
+    version = parse_version(fields[2]) if len(fields) > 2 else None
+    if out.returncode != 0 or version is None:
+        return Runtime(bin_dir, (0, 0, 0), f"{' '.join(argv)} exited {out.returncode}: "
+                                           f"{out.stdout}{out.stderr}")
+    return Runtime(bin_dir, version)
 
 
 def tail(path: Path, lines: int = 60) -> str:
@@ -175,14 +240,18 @@ def overlay_works(scratch: Path) -> bool:
 
 @dataclass
 class Containerd:
-    """A containerd with NRI and CRI, everything under `base`, run from `bin_dir`."""
+    """A containerd with NRI and CRI, everything under `base`, run from `runtime`."""
 
-    bin_dir: Path
+    runtime: Runtime
     base: Path
     snapshotter: str
     cgroup_parent: str
     proc: subprocess.Popen[bytes] | None = None
     _log_file: Any = field(default=None, repr=False)
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.runtime.bin_dir
 
     @property
     def address(self) -> Path:
@@ -201,10 +270,11 @@ class Containerd:
         return self.base / "runc"
 
     def config_text(self) -> str:
+        """The whole configuration: the common part, then the CRI part of the version."""
         b = self.base
-        cri = 'plugins."io.containerd.grpc.v1.cri"'
+        cri = self._cri_v3() if self.runtime.version >= (2, 0, 0) else self._cri_v2()
         return f"""\
-version = 2
+version = {3 if self.runtime.version >= (2, 0, 0) else 2}
 root = "{b}/root"
 state = "{b}/state"
 
@@ -226,12 +296,22 @@ state = "{b}/state"
   plugin_config_path = "{b}/nri/conf.d"
   plugin_registration_timeout = "5s"
   plugin_request_timeout = "2s"
+{cri}"""
 
+    # Both CRI parts say the same: sandbox image = the imported IMAGE; no AppArmor; CRI
+    # asks runc for oom_score_adj -998 for a sandbox and lowering it needs
+    # CAP_SYS_RESOURCE, which containers (CI) often lack, so it is clamped to containerd's
+    # own (restrict_oom_score_adj); no TCP, streaming on loopback; no CDI; runc from
+    # bin_dir with its state under base, cgroupfs driver; CNI directories under base (pods
+    # use the host network, so no CNI plugin runs).
+
+    def _cri_v2(self) -> str:
+        """containerd 1.x: every CRI setting in the plugin io.containerd.grpc.v1.cri."""
+        b, cri = self.base, 'plugins."io.containerd.grpc.v1.cri"'
+        return f"""
 [{cri}]
   sandbox_image = "{IMAGE}"
   disable_apparmor = true
-  # CRI asks runc for oom_score_adj -998 for a sandbox; lowering it needs
-  # CAP_SYS_RESOURCE, which containers (CI) often lack. Clamp to containerd's own.
   restrict_oom_score_adj = true
   disable_tcp_service = true
   stream_server_address = "127.0.0.1"
@@ -253,6 +333,47 @@ state = "{b}/state"
 [{cri}.cni]
   bin_dir = "{b}/cni/bin"
   conf_dir = "{b}/cni/net.d"
+"""
+
+    def _cri_v3(self) -> str:
+        """containerd 2.x (config version 3, docs/cri/config.md): runtime, CNI and CDI
+        settings in io.containerd.cri.v1.runtime, the snapshotter and the pinned sandbox
+        image in io.containerd.cri.v1.images, the CRI server in io.containerd.grpc.v1.cri.
+        CNI's bin_dir is deprecated in 2.1 for the list bin_dirs."""
+        b = self.base
+        runtime, images = "plugins.'io.containerd.cri.v1.runtime'", \
+            "plugins.'io.containerd.cri.v1.images'"
+        return f"""
+[{images}]
+  snapshotter = "{self.snapshotter}"
+
+[{images}.pinned_images]
+  sandbox = "{IMAGE}"
+
+[{runtime}]
+  disable_apparmor = true
+  restrict_oom_score_adj = true
+  enable_cdi = false
+
+[{runtime}.containerd]
+  default_runtime_name = "runc"
+
+[{runtime}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+[{runtime}.containerd.runtimes.runc.options]
+  BinaryName = "{self.bin_dir / 'runc'}"
+  Root = "{self.runc_root}"
+  SystemdCgroup = false
+
+[{runtime}.cni]
+  bin_dirs = ["{b}/cni/bin"]
+  conf_dir = "{b}/cni/net.d"
+
+[plugins.'io.containerd.grpc.v1.cri']
+  disable_tcp_service = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
 """
 
     def start(self) -> None:
@@ -363,13 +484,18 @@ state = "{b}/state"
                            capture_output=True)
 
     def _remove_shim_sockets(self) -> None:
-        """containerd 1.7 puts shim sockets in /run/containerd/s/ whatever its state dir;
-        a shim removes its own on exit, a killed one cannot."""
+        """containerd puts shim sockets in /run/containerd/s/ whatever its state dir, and
+        writes each one's address in the bundle: file `address` (1.7), `bootstrap.json`
+        (2.x). A shim removes its own socket on exit, a killed one cannot."""
         bundles = self.base / "state" / "io.containerd.runtime.v2.task" / NAMESPACE
         if not bundles.is_dir():
             return
-        for address in bundles.glob("*/address"):
-            sock = address.read_text().strip().removeprefix("unix://")
+        addresses = [a.read_text().strip() for a in bundles.glob("*/address")]
+        for bootstrap in bundles.glob("*/bootstrap.json"):
+            with contextlib.suppress(ValueError, AttributeError):
+                addresses.append(str(json.loads(bootstrap.read_text()).get("address", "")))
+        for address in addresses:
+            sock = address.removeprefix("unix://")
             if sock.startswith("/run/containerd/s/"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(sock)
