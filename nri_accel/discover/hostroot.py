@@ -2,7 +2,8 @@
 
 Owns: mapping host-absolute paths ("/dev/nvidiactl", "/sys/bus/pci/...",
 "/usr/lib/x86_64-linux-gnu/libcuda.so.1") to where they can be read from this
-process. Imports only the standard library.
+process, and chroot-style path resolution that never leaves a root (walk_in_root, also
+used by ldcache). Imports only the standard library.
 
 A daemon on the node uses HostRoot("/"); a DaemonSet that mounts the host at /host
 uses HostRoot("/host"); tests point it at a temporary tree. Paths that nri-accel
@@ -17,10 +18,58 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
+from collections import deque
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-MAX_SYMLINK_HOPS = 40  # as the kernel (MAXSYMLINKS); ldcache.resolve_in_root uses it too
+MAX_SYMLINK_HOPS = 40  # as the kernel (MAXSYMLINKS)
+
+
+def walk_in_root(base: str, path: str, start: str = "/", *, follow_last: bool = True,
+                 must_exist: bool = True) -> str:
+    """Resolve `path` with the local directory `base` as its "/", as a chroot would.
+
+    Returns the resolved path inside the root ("/usr/lib/x86_64-linux-gnu/libcuda.so.1"):
+    an absolute symlink target restarts at the root, ".." stops at it, so nothing
+    outside `base` is ever reached. `start`: an already resolved directory that a
+    relative `path` continues from. `follow_last=False` leaves the last component as it
+    is (lstat() then still sees a symlink). `must_exist=False` keeps components that
+    cannot be read as they are written. Raises OSError: a missing or unreadable
+    component (when `must_exist`), or ELOOP after MAX_SYMLINK_HOPS links.
+    """
+    pending = deque(p for p in path.split("/") if p)
+    parts = [] if path.startswith("/") else [p for p in start.split("/") if p]
+    hops = 0
+    while pending:
+        name = pending.popleft()
+        if name == ".":
+            continue
+        if name == "..":
+            if parts:
+                parts.pop()
+            continue
+        if not pending and not follow_last:
+            parts.append(name)
+            break
+        local = os.path.join(base, *parts, name)
+        try:
+            is_link = stat.S_ISLNK(os.lstat(local).st_mode)
+        except OSError:
+            if must_exist:
+                raise
+            is_link = False
+        if not is_link:
+            parts.append(name)
+            continue
+        hops += 1
+        if hops > MAX_SYMLINK_HOPS:
+            raise OSError(errno.ELOOP, "too many levels of symbolic links", local)
+        target = os.readlink(local)
+        if target.startswith("/"):
+            parts = []
+        pending.extendleft(reversed([p for p in target.split("/") if p]))
+    return "/" + "/".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,34 +100,8 @@ class HostRoot:
             raise ValueError(f"host path must not contain '..': {host_path!r}")
         if self.root in ("", "/"):
             return str(p)
-        return os.path.join(self.root, *self._resolve_parents(list(p.parts[1:])))
-
-    def _resolve_parents(self, todo: list[str]) -> list[str]:
-        done: list[str] = []
-        hops = 0
-        while todo:
-            part = todo.pop(0)
-            if part in ("", "."):
-                continue
-            if part == "..":
-                if done:
-                    done.pop()
-                continue
-            if not todo:
-                done.append(part)
-                break
-            local = os.path.join(self.root, *done, part)
-            if not os.path.islink(local):
-                done.append(part)
-                continue
-            hops += 1
-            if hops > MAX_SYMLINK_HOPS:
-                raise OSError(errno.ELOOP, "too many levels of symbolic links", local)
-            target = PurePosixPath(os.readlink(local))
-            if target.is_absolute():
-                done = []
-            todo = [*target.parts[1 if target.is_absolute() else 0:], *todo]
-        return done
+        resolved = walk_in_root(self.root, str(p), follow_last=False, must_exist=False)
+        return os.path.join(self.root, resolved.lstrip("/"))
 
     def dev_path(self, name: str) -> str:
         """Host path of a node under the device directory, e.g. dev_path('nvidiactl')."""

@@ -1,7 +1,7 @@
 """Finding driver files inside a root the way the node's dynamic loader would.
 
-Owns: glibc's ld.so.cache formats (`parse_ld_so_cache`), chroot-style path resolution
-that never leaves a root (`resolve_in_root`), and `Locator`, which finds libraries
+Owns: glibc's ld.so.cache formats (`parse_ld_so_cache`), `resolve_in_root` (the
+hostroot resolver for files that must exist), and `Locator`, which finds libraries
 (by soname, or the exact `<name>.so.<driver version>` file), binaries and other files
 under the driver root. Imports the standard library, nri_accel.discover.elf,
 nri_accel.discover.hostroot and nri_accel.inventory (Problem).
@@ -30,12 +30,11 @@ import platform
 import re
 import stat
 import struct
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nri_accel.discover.elf import read_elf
-from nri_accel.discover.hostroot import MAX_SYMLINK_HOPS, HostRoot
+from nri_accel.discover.hostroot import HostRoot, walk_in_root
 from nri_accel.inventory import Problem
 
 LD_SO_CACHE = "/etc/ld.so.cache"
@@ -154,43 +153,12 @@ def _cstr(data: bytes, offset: int) -> str:
 
 
 def resolve_in_root(base: str, path: str, start: str = "/") -> str | None:
-    """Resolve `path` with `base` (a local directory) as its "/".
-
-    Returns the resolved path inside the root ("/usr/lib/x86_64-linux-gnu/libcuda.so.550")
-    with no symlink left in it, or None if it does not exist there (or loops). A symlink
-    never leads outside `base`. `start`: an already resolved directory that a relative
-    `path` continues from.
-    """
-    pending = deque(p for p in path.split("/") if p)
-    parts = [p for p in start.split("/") if p] if not path.startswith("/") else []
-    links = 0
-    while pending:
-        name = pending.popleft()
-        if name == ".":
-            continue
-        if name == "..":
-            if parts:
-                parts.pop()
-            continue
-        local = os.path.join(base, *parts, name)
-        try:
-            st = os.lstat(local)
-        except OSError:
-            return None
-        if stat.S_ISLNK(st.st_mode):
-            links += 1
-            if links > MAX_SYMLINK_HOPS:
-                return None
-            try:
-                target = os.readlink(local)
-            except OSError:
-                return None
-            if target.startswith("/"):
-                parts = []
-            pending.extendleft(reversed([p for p in target.split("/") if p]))
-            continue
-        parts.append(name)
-    return "/" + "/".join(parts)
+    """hostroot.walk_in_root for a file that must exist: the resolved path inside the
+    root, with no symlink left in it, or None if it does not exist there (or loops)."""
+    try:
+        return walk_in_root(base, path, start)
+    except OSError:
+        return None
 
 
 class Locator:
