@@ -305,6 +305,21 @@ state = "{b}/state"
     # bin_dir with its state under base, cgroupfs driver; CNI directories under base (pods
     # use the host network, so no CNI plugin runs).
 
+    def _runc(self, table: str) -> str:
+        """The runc runtime, the same in both config versions, under `table` (the CRI
+        plugin holding the runtimes): default_runtime_name ends the [table.containerd]
+        section it follows."""
+        return f"""  default_runtime_name = "runc"
+
+[{table}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+[{table}.containerd.runtimes.runc.options]
+  BinaryName = "{self.bin_dir / 'runc'}"
+  Root = "{self.runc_root}"
+  SystemdCgroup = false
+"""
+
     def _cri_v2(self) -> str:
         """containerd 1.x: every CRI setting in the plugin io.containerd.grpc.v1.cri."""
         b, cri = self.base, 'plugins."io.containerd.grpc.v1.cri"'
@@ -320,16 +335,7 @@ state = "{b}/state"
 
 [{cri}.containerd]
   snapshotter = "{self.snapshotter}"
-  default_runtime_name = "runc"
-
-[{cri}.containerd.runtimes.runc]
-  runtime_type = "io.containerd.runc.v2"
-
-[{cri}.containerd.runtimes.runc.options]
-  BinaryName = "{self.bin_dir / 'runc'}"
-  Root = "{self.runc_root}"
-  SystemdCgroup = false
-
+{self._runc(cri)}
 [{cri}.cni]
   bin_dir = "{b}/cni/bin"
   conf_dir = "{b}/cni/net.d"
@@ -356,16 +362,7 @@ state = "{b}/state"
   enable_cdi = false
 
 [{runtime}.containerd]
-  default_runtime_name = "runc"
-
-[{runtime}.containerd.runtimes.runc]
-  runtime_type = "io.containerd.runc.v2"
-
-[{runtime}.containerd.runtimes.runc.options]
-  BinaryName = "{self.bin_dir / 'runc'}"
-  Root = "{self.runc_root}"
-  SystemdCgroup = false
-
+{self._runc(runtime)}
 [{runtime}.cni]
   bin_dirs = ["{b}/cni/bin"]
   conf_dir = "{b}/cni/net.d"
