@@ -1,9 +1,9 @@
 """`nri-accel check`: validate the configuration and the node before `run`.
 
-Owns: the checks and their report. Imports config, discover (lazily) and the standard
-library. Prints one line per finding, "ok:", "warn:" or "error:" first; exit status 0
-when `run` would work (warnings allowed), 1 otherwise (2 for an invalid configuration,
-as with every verb). Used by the systemd unit's
+Owns: the checks and their report. Imports nri_accel.app and the standard library.
+Prints one line per finding, "ok:", "warn:" or "error:" first; exit status 0 when `run`
+would work (warnings allowed), 1 otherwise (2 for an invalid configuration, as with
+every verb). Used by the systemd unit's
 ExecStartPre so a broken configuration fails at start with a readable reason.
 """
 
@@ -14,7 +14,7 @@ import os
 import socket
 import stat
 
-from nri_accel.config import load_config
+from nri_accel.app import REPORT, App
 
 
 def _socket_finding(path: str) -> tuple[str, str]:
@@ -39,14 +39,13 @@ def _socket_finding(path: str) -> tuple[str, str]:
 
 
 def main_check(args: argparse.Namespace) -> int:
-    from nri_accel.discover import load_or_discover
-
-    config = load_config(args.config)
+    app = App.from_args(args, mode=REPORT)
+    config = app.config
     findings: list[tuple[str, str]] = [
         ("ok", f"configuration {config.path or '(built-in defaults)'}: "
                f"policy {config.policy.mode}"),
     ]
-    inventory = load_or_discover(args.inventory, args.root, config)
+    inventory = app.load_inventory()
     kinds = {}
     for d in inventory.devices:
         kinds[d.kind] = kinds.get(d.kind, 0) + 1

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from nri_accel import __version__
-from nri_accel.config import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET
+from nri_accel.config import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET, DEFAULT_STATE_DIR
 
 _EPILOG = """\
 examples:
@@ -39,6 +39,16 @@ def _add_config(p: argparse.ArgumentParser) -> None:
                    help=f"TOML configuration (default {DEFAULT_CONFIG_PATH} if it exists)")
 
 
+def _add_daemon(p: argparse.ArgumentParser) -> None:
+    """The flags `run` and `device-plugin` share."""
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="grant checkpoint and the state `run` shares with `device-plugin` "
+                   f"(default: config state_dir, else {DEFAULT_STATE_DIR})")
+    p.add_argument("--metrics-address", metavar="HOST:PORT",
+                   help="serve /metrics, /healthz and /readyz there (default: config "
+                   "metrics.address, else off)")
+
+
 def _add_source(p: argparse.ArgumentParser, *, required: bool = False) -> None:
     g = p.add_mutually_exclusive_group(required=required)
     g.add_argument("--inventory", metavar="FILE",
@@ -51,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nri-accel",
         description="NRI plugin that gives containers their hardware AI accelerators "
-        "(NVIDIA GPUs and MIG, AWS Neuron, CDI devices).",
+        "(NVIDIA GPUs and MIG, AWS Neuron, Intel Gaudi, AMD Instinct, CDI devices).",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -71,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idx", metavar="NN", help="two-digit plugin index (default: env "
                    "NRI_PLUGIN_IDX, argv[0] NN-name, config nri.idx, else 40)")
     p.add_argument("--log-file", metavar="FILE",
-                   help="append logs to FILE instead of stderr")
+                   help="append logs to FILE instead of stderr (rotated at 16 MiB)")
     _add_config(p)
+    _add_daemon(p)
     _add_source(p)
     p.set_defaults(target="nri_accel.plugin:main_run")
 
@@ -100,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     cdi = p.add_subparsers(dest="cdi_verb", metavar="VERB")
     cdi.required = True
     g = cdi.add_parser("generate", help="write a CDI spec for the discovered devices",
-                       description="Write the NVIDIA and Neuron devices of the inventory as a "
-                       "CDI spec, for runtimes or tools that consume CDI directly.")
+                       description="Write the devices nri-accel discovers itself (NVIDIA, "
+                       "Neuron, Gaudi, AMD) as CDI specs, one per kind, for runtimes or "
+                       "tools that consume CDI directly.")
     _add_source(g)
     g.add_argument("--output", metavar="FILE|DIR",
                    help="write to FILE, or one <vendor>-<class>.yaml per kind into DIR "
@@ -111,10 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("device-plugin", help="serve the kubelet device-plugin API",
                        description="Advertise the node's devices to kubelet and answer "
-                       "Allocate with the trusted grant annotation that `run` honours.")
+                       "Allocate with the trusted grant annotation that `run` honours. "
+                       "Fails closed: while no `nri-accel run` on the node is registered "
+                       "with the runtime (as its --state-dir records), every device is "
+                       "Unhealthy and Allocate is refused.")
     p.add_argument("--kubelet-dir", metavar="DIR", default="/var/lib/kubelet/device-plugins",
                    help="kubelet device-plugin directory (default %(default)s)")
     _add_config(p)
+    _add_daemon(p)
     _add_source(p)
     p.set_defaults(target="nri_accel.deviceplugin.server:main_device_plugin")
 

@@ -6,6 +6,9 @@ names, which requests must be able to name). Reads one file.
 
 Keys (all optional; unknown keys are errors so typos do not pass silently):
 
+    state_dir = "/run/nri-accel" # grant checkpoint and the state `run` shares with
+                                 # `device-plugin` (--state-dir overrides)
+
     [policy]
     mode = "kubernetes"          # or "standalone"
     trusted_namespaces = []      # may grant through pod annotations/env in kubernetes mode
@@ -19,6 +22,7 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
     cdi_passthrough = false      # hand CDI requests to the runtime as CDI device names
     hooks = false                # true allows the one optional OCI hook (ld.so.cache update)
     hook_path = ""               # absolute host path of that hook binary
+    shared_kinds = []            # kinds whose grants are shared, never exclusive
 
     [discovery]
     cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
@@ -46,9 +50,10 @@ from typing import Any
 
 from nri_accel.errors import ConfigError
 from nri_accel.inventory import DEVICE_NAME_RE, KIND_RE
+from nri_accel.nri import DEFAULT_SOCKET
 
 DEFAULT_CONFIG_PATH = "/etc/nri-accel/config.toml"
-DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+DEFAULT_STATE_DIR = "/run/nri-accel"
 
 _K8S_NS_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -71,6 +76,19 @@ class DevicesConfig:
     cdi_passthrough: bool = False
     hooks: bool = False
     hook_path: str = ""
+    shared_kinds: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    address: str = ""  # HOST:PORT of /metrics, /healthz, /readyz; "" = off
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePluginConfig:
+    """[device_plugin]: how the kubelet device plugin advertises the devices."""
+
+    mig_strategy: str = "mixed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +120,9 @@ class Config:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     log: LogConfig = field(default_factory=LogConfig)
     static_devices: tuple[StaticDevice, ...] = ()
+    device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    state_dir: str = DEFAULT_STATE_DIR
     path: str = ""  # file it was read from; "" for built-in defaults
 
 
@@ -126,8 +147,11 @@ def load_config(path: str | None) -> Config:
 
 def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     r = _Reader(data, path)
-    tables = {"policy", "nri", "devices", "discovery", "log", "static"}
+    tables = {"policy", "nri", "devices", "discovery", "log", "static", "state_dir"}
     r.no_unknown(data, tables, "")
+    state_dir = r.get(data, "state_dir", str, DEFAULT_STATE_DIR)
+    if not state_dir.startswith("/") or ".." in state_dir.split("/"):
+        raise ConfigError("must be an absolute path without '..'", source=r.src("state_dir"))
 
     pol = r.table("policy", {"mode", "trusted_namespaces"})
     mode = r.get(pol, "policy.mode", str, "kubernetes")
@@ -150,7 +174,12 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     if not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*", name):
         raise ConfigError(f"invalid plugin name {name!r}", source=r.src("nri.name"))
 
-    dev = r.table("devices", {"cdi_passthrough", "hooks", "hook_path"})
+    dev = r.table("devices", {"cdi_passthrough", "hooks", "hook_path", "shared_kinds"})
+    shared_kinds = r.str_list(dev, "devices.shared_kinds", [])
+    for kind in shared_kinds:
+        if not KIND_RE.fullmatch(kind):
+            raise ConfigError(f"{kind!r} is not a device kind (vendor/class)",
+                              source=r.src("devices.shared_kinds"))
     hook_path = r.get(dev, "devices.hook_path", str, "")
     if hook_path and not (hook_path.startswith("/") and ".." not in hook_path.split("/")):
         raise ConfigError("must be an absolute path without '..'",
@@ -213,10 +242,12 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
             cdi_passthrough=r.get(dev, "devices.cdi_passthrough", bool, False),
             hooks=r.get(dev, "devices.hooks", bool, False),
             hook_path=hook_path,
+            shared_kinds=frozenset(shared_kinds),
         ),
         discovery=DiscoveryConfig(tuple(spec_dirs), driver_root, float(interval)),
         log=LogConfig(level, fmt),
         static_devices=tuple(statics),
+        state_dir=state_dir,
         path=path,
     )
 

@@ -1,27 +1,25 @@
 """Edits: what a Selection means for the container (device nodes, mounts, env, hooks).
 
 Owns: the Catalog (every device's and driver capability's edits, checked and normalised
-once per inventory), build() (Selection x Request x container -> ContainerEdits), the
-safety rules for emitted paths, and the container env the edits write. Imports the
-standard library, nri_accel.config, nri_accel.errors, nri_accel.inventory,
-nri_accel.select and (for types) nri_accel.request. Pure: no I/O, no logging.
+once per inventory, and each family's tables), build() (Selection x Request x container
+-> ContainerEdits: the final order, de-duplicated once), the safety rules for emitted
+paths, and the container env the edits write. Imports the standard library,
+nri_accel.config (types), nri_accel.errors, nri_accel.inventory, nri_accel.policy (the
+Request), nri_accel.select (the Selection) and nri_accel.vendors. Pure: no I/O, no logging.
 
 What a container gets:
-- the device nodes of each granted device (a MIG device also gets its parent GPU's node);
-- for each vendor used, that Driver's "" edits (what every container of the vendor needs,
-  such as /dev/nvidiactl);
-- NVIDIA (a GPU or MIG device granted, or NVIDIA_VISIBLE_DEVICES=none): the edits of
-  each requested driver capability, and of "mig-config"/"mig-monitor" when asked;
-  NVIDIA_VISIBLE_DEVICES rewritten to the UUIDs actually injected ("none" for none),
-  NVIDIA_DRIVER_CAPABILITIES to the capabilities given;
+- the device nodes of each granted device (a MIG device's include its parent GPU's node);
+- per family with a granted device (or asked for its driver alone, NVIDIA "none"), what
+  its profile's edits() adds: driver files by capability, the env its software reads
+  (NVIDIA_VISIBLE_DEVICES=<uuids>, NVIDIA_DRIVER_CAPABILITIES, AWS_NEURON_VISIBLE_DEVICES,
+  ...), defaults set only where the container does not set them
+  (NEURON_RT_VISIBLE_CORES), library directories (nri_accel.vendors.base);
+- per family that got nothing but whose visibility variable the container's env sets,
+  that variable rewritten to the family's "nothing" value or removed, so a co-installed
+  vendor hook cannot widen the grant;
 - LD_LIBRARY_PATH: the container's own value followed by the directories the driver
   libraries are mounted in, without duplicates (libraries become loadable without
   running anything in the container's root filesystem);
-- Neuron: AWS_NEURON_VISIBLE_DEVICES = the device indices (the oci-neuron-hook syntax)
-  and NEURON_RT_VISIBLE_CORES = their NeuronCores in the runtime's node-wide numbering
-  (device i's cores follow those of devices 0..i-1), as ranges "a-b" joined by commas;
-  left alone when the container already sets it (the Neuron device plugin sets it for
-  core-level allocations, narrower than the whole device);
 - CDI devices: their device edits plus their spec's container edits (Driver "cdi:...").
 - Hooks: none by default. With config devices.hooks and hook_path, one createContainer
   hook `<hook_path> update-ldcache --folder DIR...` (the nvidia-cdi-hook syntax) with
@@ -37,8 +35,8 @@ lets a process connect to it), and inventory env may not set LD_PRELOAD or LD_AU
 edit breaking these is refused when a container needs it, with an AllocationError naming
 the device or capability; other containers are unaffected. Device nodes and mounts
 already in the container spec are not emitted again (two NRI plugins setting one path
-fail the container). Output is deterministic: env sorted by name, nodes by path, mounts
-by destination, gids ascending.
+fail the container). Output is deterministic: env sorted by name, nodes by path in
+natural order, mounts by destination, gids ascending; nri.adjust keeps that order.
 """
 
 from __future__ import annotations
@@ -49,12 +47,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from nri_accel.config import DevicesConfig
-from nri_accel.errors import AllocationError
 from nri_accel.inventory import (
-    KIND_GPU,
-    KIND_MIG,
-    KIND_NEURON,
     ContainerEdits,
     DeviceNode,
     Hook,
@@ -62,18 +55,15 @@ from nri_accel.inventory import (
     Mount,
     merge_edits,
     natural_key,
+    vendor_of,
 )
 from nri_accel.select import Selection
+from nri_accel.vendors import PROFILES, family_of
+from nri_accel.vendors.base import Checked, DriverFiles, take
 
 if TYPE_CHECKING:
-    from nri_accel.request import Request
-
-NVIDIA = "nvidia"
-BASE = ""  # the Driver capability every container using the vendor gets
-MIG_CONFIG = "mig-config"
-MIG_MONITOR = "mig-monitor"
-NOT_CAPABILITIES = frozenset({BASE, MIG_CONFIG, MIG_MONITOR})
-CAPABILITY_ORDER = ("utility", "compute", "video", "graphics", "display", "ngx", "compat32")
+    from nri_accel.config import DevicesConfig
+    from nri_accel.policy import Request
 
 HOOK_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",)
 HOOK_TIMEOUT = 10  # seconds
@@ -88,7 +78,7 @@ RUNTIME_SOCKETS = (
 )
 FORBIDDEN_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT"})
 MEMO_SIZE = 4096  # grants remembered per inventory before the memo starts over
-_NO_EDITS = ContainerEdits()
+LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
 
 
 class UnsafeEdit(ValueError):
@@ -96,23 +86,11 @@ class UnsafeEdit(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Checked:
-    """One device's or capability's edits after checking: either edits or a refusal."""
-
-    edits: ContainerEdits = _NO_EDITS
-    refused: str = ""  # why these edits may not be emitted
-    lib_dirs: tuple[str, ...] = ()  # container dirs holding mounted shared libraries
-    dropped_hooks: int = 0  # hooks left out because devices.hooks is off
-
-
-@dataclass(frozen=True, slots=True)
 class Catalog:
     """Every edit the inventory can contribute, checked once (per inventory and config)."""
 
-    devices: Mapping[str, Checked]  # qualified name -> its nodes (MIG: + parent GPU node)
-    drivers: Mapping[tuple[str, str], Checked]  # (vendor, capability) -> edits
-    vendors: Mapping[str, str]  # qualified name -> Driver vendor
-    neuron_cores: Mapping[str, tuple[int, int]]  # qualified name -> (first core, count)
+    devices: Mapping[str, Checked]  # qualified name -> its device edits
+    files: DriverFiles  # (vendor, capability) -> driver edits; the families' tables
     hook_path: str  # the ld.so.cache hook binary; "" when no hook may be emitted
     # build()'s memo of the grant-dependent part of the edits, per grant.
     memo: dict[tuple[Any, ...], _Common] = field(default_factory=dict, compare=False,
@@ -125,34 +103,14 @@ _UNCHECKED = Checked(refused="the device is not in the catalog of this inventory
 def compile_catalog(inventory: Inventory, devices: DevicesConfig) -> Catalog:
     """Check and normalise every edit of `inventory` once."""
     hooks_enabled = devices.hooks
-    by_name = {(d.kind, d.name): d for d in inventory.devices}
-    dev_edits: dict[str, Checked] = {}
-    vendors: dict[str, str] = {}
-    for d in inventory.devices:
-        edits = d.edits
-        if d.kind == KIND_MIG and d.parent:
-            parent = by_name.get((KIND_GPU, d.parent))
-            if parent is not None:
-                edits = edits.merged(ContainerEdits(device_nodes=parent.edits.device_nodes))
-        dev_edits[d.qualified_name] = _check(edits, hooks_enabled)
-        vendors[d.qualified_name] = d.vendor
-    drv: dict[tuple[str, str], Checked] = {}
-    for vendor, driver in inventory.drivers.items():
-        for cap, edits in driver.capabilities.items():
-            drv[(vendor, cap)] = _check(edits, hooks_enabled)
-    cores: dict[str, tuple[int, int]] = {}
-    first = 0
-    for d in inventory.of_kind(KIND_NEURON):
-        n = d.attributes.get("cores", "")
-        if not n.isdigit():
-            break  # numbering unknown from here on
-        cores[d.qualified_name] = (first, int(n))
-        first += int(n)
+    dev_edits = {d.qualified_name: _check(d.edits, hooks_enabled) for d in inventory.devices}
+    drv = {(vendor, cap): _check(edits, hooks_enabled)
+           for vendor, driver in inventory.drivers.items()
+           for cap, edits in driver.capabilities.items()}
+    tables = {p.name: t for p in PROFILES if (t := p.tables(inventory)) is not None}
     return Catalog(
         devices=MappingProxyType(dev_edits),
-        drivers=MappingProxyType(drv),
-        vendors=MappingProxyType(vendors),
-        neuron_cores=MappingProxyType(cores),
+        files=DriverFiles(MappingProxyType(drv), MappingProxyType(tables)),
         hook_path=devices.hook_path if devices.hooks else "",
     )
 
@@ -263,21 +221,30 @@ class _Common:
     mounts: tuple[Mount, ...]
     hooks: tuple[Hook, ...]
     gids: tuple[int, ...]
-    env: tuple[tuple[str, str], ...]  # without LD_LIBRARY_PATH and NEURON_RT_VISIBLE_CORES
+    env: tuple[tuple[str, str], ...]  # without LD_LIBRARY_PATH and the defaults
+    defaults: tuple[tuple[str, str], ...]  # set only where the container does not
+    unset: tuple[str, ...]  # removed where the container sets them
     lib_dirs: tuple[str, ...]
-    neuron_cores: str  # "" when not known or no Neuron device
     notes: tuple[str, ...]
+    facts: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """One container's edits, what its env loses, and what was left out or noted."""
+
+    edits: ContainerEdits
+    unset_env: tuple[str, ...] = ()  # variables to remove from the container's env
+    notes: tuple[str, ...] = ()
+    facts: tuple[tuple[str, str], ...] = ()  # per family, for the log line and explain
 
 
 def build(selection: Selection, request: Request, catalog: Catalog, *,
           container_env: Iterable[str] = (), device_paths: frozenset[str] = frozenset(),
-          mount_destinations: frozenset[str] = frozenset()
-          ) -> tuple[ContainerEdits, tuple[str, ...]]:
-    """The edits for one container and notes on what was left out. Raises AllocationError
-    for a refused inventory edit.
-    """
-    key = (tuple((d.kind, d.name) for d in selection.devices), request.capabilities,
-           request.nvidia_none, request.mig_config, request.mig_monitor)
+          mount_destinations: frozenset[str] = frozenset()) -> Built:
+    """The edits for one container. Raises AllocationError for a refused inventory edit."""
+    key = (tuple(d.key for d in selection.devices), request.options, request.drivers_only,
+           request.visible)
     common = catalog.memo.get(key)
     if common is None:
         common = _common(selection, request, catalog)
@@ -288,9 +255,10 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
     own_env = _env_map(container_env)
     env = dict(common.env)
     if common.lib_dirs:
-        env["LD_LIBRARY_PATH"] = _join_path(own_env.get("LD_LIBRARY_PATH", ""), common.lib_dirs)
-    if common.neuron_cores and "NEURON_RT_VISIBLE_CORES" not in own_env:
-        env["NEURON_RT_VISIBLE_CORES"] = common.neuron_cores
+        env[LD_LIBRARY_PATH] = _join_path(own_env.get(LD_LIBRARY_PATH, ""), common.lib_dirs)
+    for k, v in common.defaults:
+        if k not in own_env:
+            env[k] = v
     nodes, mounts = common.nodes, common.mounts
     if device_paths:
         nodes = tuple(n for n in nodes if n.path not in device_paths)
@@ -303,66 +271,50 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
         hooks=common.hooks,
         additional_gids=common.gids,
     )
-    return edits, common.notes
+    return Built(edits, tuple(k for k in common.unset if k in own_env), common.notes,
+                 common.facts)
 
 
 def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common:
     parts: list[ContainerEdits] = []
     notes: list[str] = []
-    lib_dirs: dict[str, None] = {}
-    env: dict[str, str] = {}
-
-    vendors: dict[str, None] = {}
-    nvidia_uuids: list[str] = []
-    neuron: list[str] = []
+    by_family: dict[str, list[Any]] = {}
     for d in selection.devices:
         q = d.qualified_name
-        parts.append(_take(catalog.devices.get(q, _UNCHECKED), q, notes))
-        vendor = catalog.vendors.get(q, "")
-        if vendor:
-            vendors.setdefault(vendor, None)
-        if d.kind in (KIND_GPU, KIND_MIG):
-            nvidia_uuids.append(d.uuid or d.name)
-        elif d.kind == KIND_NEURON:
-            neuron.append(q)
+        parts.append(take(catalog.devices.get(q, _UNCHECKED), q, notes))
+        by_family.setdefault(family_of(d.kind).name, []).append(d)
 
-    use_nvidia = bool(nvidia_uuids) or request.nvidia_none
-    if use_nvidia:
-        vendors.setdefault(NVIDIA, None)
-    for vendor in vendors:
-        parts.append(_driver(catalog, vendor, BASE, lib_dirs, notes))
-
-    if use_nvidia:
-        caps: tuple[str, ...] = ()
-        if any(vendor == NVIDIA for vendor, _ in catalog.drivers):
-            caps = _capabilities(catalog, request.capabilities, notes)
-        else:
-            notes.append("no NVIDIA driver files on this node: only device nodes and env")
-        for cap in sorted(caps, key=_capability_order):
-            parts.append(_driver(catalog, NVIDIA, cap, lib_dirs, notes))
-        if request.mig_config:
-            parts.append(_driver(catalog, NVIDIA, MIG_CONFIG, lib_dirs, notes))
-        if request.mig_monitor:
-            parts.append(_driver(catalog, NVIDIA, MIG_MONITOR, lib_dirs, notes))
-        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(nvidia_uuids) or "none"
-        if caps:
-            env["NVIDIA_DRIVER_CAPABILITIES"] = ",".join(caps)
-
-    neuron_cores = ""
-    if neuron:
-        env["AWS_NEURON_VISIBLE_DEVICES"] = ",".join(q.partition("=")[2] for q in neuron)
-        cores = [catalog.neuron_cores.get(q) for q in neuron]
-        if all(c is not None for c in cores):
-            neuron_cores = _core_ranges(c for c in cores if c is not None)
+    env: dict[str, str] = {}
+    defaults: dict[str, str] = {}
+    unset: list[str] = []
+    lib_dirs: dict[str, None] = {}
+    facts: list[tuple[str, str]] = []
+    for profile in PROFILES:
+        devices = by_family.get(profile.name, [])
+        drivers_only = bool(profile.kinds) and vendor_of(profile.kinds[0]) in request.drivers_only
+        if devices or drivers_only:
+            fe = profile.edits(devices, request.option(profile.name), drivers_only,
+                               catalog.files)
+            parts.extend(fe.parts)
+            for k, v in fe.env:
+                env.setdefault(k, v)
+            defaults.update(fe.defaults)
+            lib_dirs.update(dict.fromkeys(fe.lib_dirs))
+            notes.extend(fe.notes)
+            facts.extend(fe.facts)
+        elif profile.visibility is not None and profile.name in request.visible:
+            var, nothing = profile.visibility
+            if nothing is None:
+                unset.append(var)
+            else:
+                env[var] = nothing
 
     merged = merge_edits(parts)
     for kv in merged.env:
         key, _, value = kv.partition("=")
-        if key == "LD_LIBRARY_PATH":
-            for part in value.split(":"):
-                if part:
-                    lib_dirs.setdefault(part, None)
-        elif key != "NEURON_RT_VISIBLE_CORES":
+        if key == LD_LIBRARY_PATH:
+            lib_dirs.update(dict.fromkeys(p for p in value.split(":") if p))
+        elif key not in defaults:
             env.setdefault(key, value)
 
     hooks = merged.hooks
@@ -381,50 +333,12 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
         hooks=hooks,
         gids=tuple(sorted(merged.additional_gids)),
         env=tuple(sorted(env.items())),
+        defaults=tuple(sorted(defaults.items())),
+        unset=tuple(unset),
         lib_dirs=tuple(lib_dirs),
-        neuron_cores=neuron_cores,
         notes=tuple(notes),
+        facts=tuple(facts),
     )
-
-
-def _take(checked: Checked, source: str, notes: list[str]) -> ContainerEdits:
-    if checked.refused:
-        raise AllocationError(f"refused the inventory's edits: {checked.refused}", source=source)
-    if checked.dropped_hooks:
-        notes.append(f"{source}: {checked.dropped_hooks} hook(s) not emitted "
-                     "(devices.hooks is off)")
-    return checked.edits
-
-
-def _driver(catalog: Catalog, vendor: str, cap: str, lib_dirs: dict[str, None],
-            notes: list[str]) -> ContainerEdits:
-    checked = catalog.drivers.get((vendor, cap))
-    if checked is None:
-        return ContainerEdits()
-    where = f"driver {vendor}" + (f" capability {cap}" if cap else "")
-    edits = _take(checked, where, notes)
-    if vendor == NVIDIA:
-        for d in checked.lib_dirs:
-            lib_dirs.setdefault(d, None)
-    return edits
-
-
-def _capabilities(catalog: Catalog, requested: frozenset[str],
-                  notes: list[str]) -> tuple[str, ...]:
-    """The requested NVIDIA driver capabilities this driver has."""
-    have = {cap for (vendor, cap) in catalog.drivers if vendor == NVIDIA} - NOT_CAPABILITIES
-    wanted = requested - NOT_CAPABILITIES
-    missing = sorted(wanted - have)
-    if missing:
-        notes.append(f"driver capabilities with no files on this node: {', '.join(missing)}")
-    return tuple(sorted(wanted & have))
-
-
-def _capability_order(cap: str) -> tuple[int, str]:
-    """The order capabilities' files are merged in: 64-bit before compat32, so that
-    LD_LIBRARY_PATH lists lib64 first."""
-    return (CAPABILITY_ORDER.index(cap) if cap in CAPABILITY_ORDER else len(CAPABILITY_ORDER),
-            cap)
 
 
 def _env_map(env: Iterable[str]) -> dict[str, str]:
@@ -440,16 +354,3 @@ def _join_path(own: str, dirs: Iterable[str]) -> str:
     for d in dirs:
         parts.setdefault(d, None)
     return ":".join(parts)
-
-
-def _core_ranges(cores: Iterable[tuple[int, int]]) -> str:
-    ids = sorted({c for first, n in cores for c in range(first, first + n)})
-    ranges: list[str] = []
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        ranges.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(ranges)

@@ -1,32 +1,33 @@
 """The Engine: one container's request to its Plan, and who holds which device.
 
-Owns: Plan, Engine (per-inventory tables, allocation state, release and restore) and the
-grant annotations. Imports the standard library, nri_accel.config, nri_accel.edits,
-nri_accel.errors, nri_accel.inventory, nri_accel.log, nri_accel.policy,
-nri_accel.request and nri_accel.select.
+Owns: Plan, Engine (per-inventory tables, the Holdings, planning, committing, releasing
+and restoring grants) and the grant annotations. Imports the standard library,
+nri_accel.config, nri_accel.container, nri_accel.edits, nri_accel.errors,
+nri_accel.inventory, nri_accel.log, nri_accel.policy, nri_accel.request,
+nri_accel.select and nri_accel.state.
 
-plan() is the hot path: request parse, selection and edits are pure computation over
-frozen data and tables built once per inventory (in __init__ and swap_inventory); no
-I/O, no NVML, no fork, no logging. It raises RequestError (PolicyError,
-AllocationError), whose `source` names the annotation key or env variable, and changes
-no state when it does.
+plan() is the hot path: request parse, the trust policy, selection and edits are pure
+computation over frozen data and tables built once per inventory (in __init__ and
+swap_inventory); no I/O, no NVML, no fork, no logging. It raises RequestError
+(PolicyError, NotFoundError, AllocationError, StateError), whose `source` names the
+annotation key or env variable, and changes no state: commit() records a Plan once its
+answer is known to be deliverable (nri_accel.plugin checks the adjustment's size first),
+so an answer that cannot be sent holds nothing.
 
-Allocation state: container id -> the qualified names it holds (granted by count or
-explicit id; see nri_accel.select) and those it shares (granted through `all`). plan()
-records it, release() drops it (StopContainer, RemoveContainer; containerd also sends
-these when it undoes a failed creation), restore() rebuilds it from the annotations a
-Plan adds to its container:
+Allocation state (nri_accel.state.Holdings, keyed by Device.key: kind and UUID, else PCI
+bus id, else the spec's name): commit() records, release() and release_pod() drop,
+restore() rebuilds from the annotations a Plan adds to its container:
 
-    nri-accel.io/granted: every device granted, qualified names, sorted, comma separated
-    nri-accel.io/shared:  those of them granted only through `all` (absent when none)
+    nri-accel.io/granted: Device.key of every device granted, sorted, comma separated
+    nri-accel.io/shared:  those of them used shared (absent when none)
 
-so a restarted plugin learns from Synchronize what running containers hold. Only
-nri-accel writes them: plan() refuses a container that already carries one, or whose pod
-does (a runtime may copy pod annotations into the container's, and a forged record
-would make restore() hold devices no one has, or free devices a container still uses),
-and nri.convert.live_containers hands restore() only the container's own annotations,
-not the copies of its pod's. Calls are serialised by a lock (the refresh thread may swap
-the inventory while the NRI loop plans).
+so a restarted plugin learns from Synchronize what running containers hold, and
+load_checkpoint() from the state directory where no Synchronize comes (containerd 1.7
+launching a pre-registered plugin). Only nri-accel writes those annotations: the request
+parser refuses a container or pod that carries one, and restore() reads only a
+container's own annotations, not the copies of its pod's. Every change bumps
+`holdings.version`, which the checkpoint writer follows. Calls are serialised by a lock
+(the refresh thread may swap the inventory while the NRI loop plans).
 """
 
 from __future__ import annotations
@@ -34,46 +35,43 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from nri_accel.config import Config
+from nri_accel.container import ContainerInfo
 from nri_accel.edits import Catalog, compile_catalog
 from nri_accel.edits import build as build_edits
-from nri_accel.errors import RequestError
-from nri_accel.inventory import ContainerEdits, Device, Inventory
+from nri_accel.inventory import KIND_RE, ContainerEdits, Device, Inventory
 from nri_accel.log import get_logger
-from nri_accel.policy import Policy
-from nri_accel.request import ContainerInfo, parse_request
+from nri_accel.policy import Policy, own_annotations
+from nri_accel.request import ANNOTATION_GRANTED, ANNOTATION_SHARED
 from nri_accel.select import DeviceIndex, select
+from nri_accel.state import Grant, Holdings
 
 log = get_logger(__name__)
 
-ANNOTATION_GRANTED = "nri-accel.io/granted"
-ANNOTATION_SHARED = "nri-accel.io/shared"
-_MAX_RESTORED_NAMES = 1024  # more names than any node has devices: a corrupt annotation
+_MAX_RESTORED_KEYS = 1024  # more keys than any node has devices: a corrupt annotation
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What one container gets: the devices, the edits, and the grant annotations."""
+    """What one container gets: the devices, the edits, the grant annotations, and the
+    Grant that commit() records."""
 
     devices: tuple[Device, ...]  # granted, sorted
-    capabilities: frozenset[str]
     edits: ContainerEdits
     annotations: Mapping[str, str]  # added to the container; restore() reads them back
     cdi_devices: tuple[str, ...]  # CDI names handed to the runtime (cdi_passthrough)
+    grant: Grant
+    unset_env: tuple[str, ...] = ()  # variables removed from the container's env
     notes: tuple[str, ...] = ()
+    facts: tuple[tuple[str, str], ...] = ()  # per family ("capabilities", ...)
+    granted_by: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def qualified_names(self) -> tuple[str, ...]:
         return tuple(d.qualified_name for d in self.devices)
-
-
-@dataclass(frozen=True, slots=True)
-class _Grant:
-    held: frozenset[str]
-    shared: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +89,9 @@ class Engine:
     def __init__(self, inventory: Inventory, config: Config) -> None:
         self._config = config
         self._policy = Policy.from_config(config)
+        self._shared_kinds = frozenset(config.devices.shared_kinds)
         self._lock = threading.Lock()
-        self._grants: dict[str, _Grant] = {}
-        self._holders: Counter[str] = Counter()
+        self.holdings = Holdings()
         self._tables = self._compile(inventory)
 
     def _compile(self, inventory: Inventory) -> _Tables:
@@ -105,136 +103,151 @@ class Engine:
         return self._tables.inventory
 
     def swap_inventory(self, inventory: Inventory) -> None:
-        """Use `inventory` from now on. Holdings are kept: they are by qualified name."""
+        """Use `inventory` from now on. Holdings are kept (they name devices by what
+        stays true of them); a held device the new inventory lacks is logged."""
         tables = self._compile(inventory)
         with self._lock:
             self._tables = tables
+            gone = {key: g for g in self.holdings.grants() for key in g.exclusive
+                    if key not in tables.index.by_key}
+        for key, g in sorted(gone.items()):
+            log.warning("held_device_gone", device=key, container=g.name,
+                        container_id=g.container_id,
+                        meaning="still held by that container until it ends; never "
+                                "granted to another")
         log.info("engine_inventory_swapped", devices=len(inventory.devices))
 
     def plan(self, info: ContainerInfo) -> Plan:
-        """The Plan for one container, recorded as its allocation (replacing any earlier
-        one of the same id; an empty id is planned but not recorded). Raises RequestError
-        and records nothing then."""
-        _refuse_grant_records(info)
-        request = parse_request(info, self._policy)
+        """The Plan for one container. Records nothing (commit() does); raises
+        RequestError and subclasses."""
+        request = self._policy.request_for(info)
+        counted = next((c for c in request.grants if c.count is not None), None)
+        draft = Grant(info.container_id, name=info.label, pod_uid=info.pod_uid,
+                      pod_id=info.pod_id, container_name=info.container_name)
         with self._lock:
             tables = self._tables
-            previous = self._grants.get(info.container_id)
-            busy = self._busy_without(previous)
-            selection = select(request, tables.index, busy,
-                               cdi_passthrough=self._config.devices.cdi_passthrough)
-            edits, edit_notes = build_edits(
-                selection, request, tables.catalog,
-                container_env=info.env,
-                device_paths=info.device_paths,
-                mount_destinations=info.mount_destinations,
-            )
-            if info.container_id:
-                self._release(info.container_id)
-                if selection.devices:
-                    self._hold(info.container_id, _Grant(selection.held, selection.shared))
+            if counted is not None:
+                self.holdings.require_known(counted.source)
+            selection = select(request, tables.index, self.holdings.busy(draft),
+                               cdi_passthrough=self._config.devices.cdi_passthrough,
+                               shared_kinds=self._shared_kinds)
+            exclusive = selection.exclusive
+            grant = replace(draft, exclusive=exclusive, shared=frozenset(
+                d.key for d in (*selection.devices, *selection.passthrough)) - exclusive)
+            self.holdings.check(grant)
+        built = build_edits(selection, request, tables.catalog, container_env=info.env,
+                            device_paths=info.device_paths,
+                            mount_destinations=info.mount_destinations)
         return Plan(
             devices=selection.devices,
-            capabilities=request.capabilities,
-            edits=edits,
-            annotations=grant_annotations(selection.devices, selection.shared),
+            edits=built.edits,
+            annotations=grant_annotations(grant),
             cdi_devices=selection.cdi_devices,
-            notes=(*request.notes, *selection.notes, *edit_notes),
+            grant=grant,
+            unset_env=built.unset_env,
+            notes=(*request.notes, *selection.notes, *built.notes),
+            facts=built.facts,
+            granted_by=selection.granted_by,
         )
 
-    def release(self, container_id: str) -> None:
+    def commit(self, plan: Plan) -> None:
+        """Record `plan`'s grant (replacing its container's earlier one, and that of an
+        earlier container of the same pod and name). An empty container id is never
+        recorded. Raises AllocationError if, since plan(), another container took one
+        of its devices."""
+        if not plan.grant.container_id:
+            return
+        with self._lock:
+            self.holdings.check(plan.grant)
+            replaced = self.holdings.record(plan.grant)
+        for g in replaced:
+            if g.container_id != plan.grant.container_id:
+                log.info("grant_replaced", container_id=g.container_id, container=g.name,
+                         by=plan.grant.container_id,
+                         reason="a new create of the same pod and container name")
+
+    def release(self, container_id: str) -> Grant | None:
         """Forget what `container_id` holds (StopContainer, RemoveContainer)."""
         with self._lock:
-            self._release(container_id)
+            return self.holdings.release(container_id)
 
-    def restore(self, containers: Iterable[tuple[str, Mapping[str, str]]]) -> None:
-        """Replace the allocation state with what the running `containers` (id and their
-        own annotations, from Synchronize) were granted. Unreadable annotations are
-        logged and skipped: they never stop the plugin."""
-        grants: dict[str, _Grant] = {}
-        for container_id, values in containers:
-            grant = _read_grant(container_id, values)
+    def release_pod(self, pod_uid: str, pod_id: str) -> tuple[Grant, ...]:
+        """Forget what every container of a pod holds (Stop/RemovePodSandbox)."""
+        with self._lock:
+            return self.holdings.release_pod(pod_uid, pod_id)
+
+    def load_checkpoint(self, grants: Iterable[Grant], *, known: bool) -> None:
+        """Start from a checkpoint's grants (known=False: it could not be read)."""
+        grants = list(grants)
+        with self._lock:
+            self.holdings.replace_all(grants, known=known)
+        log.info("allocations_loaded", containers=len(grants), known=known,
+                 held=sum(len(g.exclusive) for g in grants))
+
+    def restore(self, containers: Iterable[ContainerInfo]) -> None:
+        """Replace the allocation state with what the running `containers` (from
+        Synchronize: the runtime's view is the truth) were granted, as their own grant
+        annotations say. Unreadable annotations are logged and skipped: they never stop
+        the plugin. Afterwards the state is known."""
+        grants = []
+        for info in containers:
+            grant = _read_grant(info)
             if grant is not None:
-                grants[container_id] = grant
+                grants.append(grant)
         with self._lock:
-            self._grants = {}
-            self._holders = Counter()
-            for container_id, grant in grants.items():
-                self._hold(container_id, grant)
+            before = {g.container_id for g in self.holdings.grants()}
+            self.holdings.replace_all(grants, known=True)
+        dropped = before - {g.container_id for g in grants}
         log.info("allocations_restored", containers=len(grants),
-                 held=sum(len(g.held) for g in grants.values()))
+                 held=sum(len(g.exclusive) for g in grants),
+                 released_not_running=len(dropped))
 
-    def holdings(self) -> dict[str, tuple[str, ...]]:
-        """Container id -> qualified names it holds exclusively (for status and tests)."""
+    def device_states(self) -> dict[tuple[str, str], int]:
+        """(kind, state) -> devices, state one of free, held, unhealthy (for metrics)."""
         with self._lock:
-            return {cid: tuple(sorted(g.held)) for cid, g in sorted(self._grants.items())
-                    if g.held}
-
-    # ---- state (callers hold the lock) ---------------------------------------------
-
-    def _busy_without(self, own: _Grant | None) -> frozenset[str] | Counter[str]:
-        if own is None or not own.held:
-            return self._holders
-        busy = self._holders.copy()
-        busy.subtract(own.held)
-        return frozenset(name for name, n in busy.items() if n > 0)
-
-    def _hold(self, container_id: str, grant: _Grant) -> None:
-        self._grants[container_id] = grant
-        self._holders.update(grant.held)
-
-    def _release(self, container_id: str) -> None:
-        grant = self._grants.pop(container_id, None)
-        if grant is None:
-            return
-        self._holders.subtract(grant.held)
-        for name in grant.held:
-            if self._holders[name] <= 0:
-                del self._holders[name]
+            held = self.holdings.held_keys()
+            devices = self._tables.inventory.devices
+        out: Counter[tuple[str, str]] = Counter()
+        for d in devices:
+            state = "unhealthy" if not d.healthy else "held" if d.key in held else "free"
+            out[(d.kind, state)] += 1
+        return dict(out)
 
 
-def grant_annotations(devices: Iterable[Device], shared: frozenset[str]) -> Mapping[str, str]:
+def grant_annotations(grant: Grant) -> Mapping[str, str]:
     """The annotations recording a grant (empty when nothing was granted)."""
-    names = sorted({d.qualified_name for d in devices})
-    if not names:
+    keys = sorted(grant.exclusive | grant.shared)
+    if not keys:
         return MappingProxyType({})
-    out = {ANNOTATION_GRANTED: ",".join(names)}
-    shared_names = sorted(shared & set(names))
-    if shared_names:
-        out[ANNOTATION_SHARED] = ",".join(shared_names)
+    out = {ANNOTATION_GRANTED: ",".join(keys)}
+    if grant.shared:
+        out[ANNOTATION_SHARED] = ",".join(sorted(grant.shared))
     return MappingProxyType(out)
 
 
-def _refuse_grant_records(info: ContainerInfo) -> None:
-    """RequestError when the pod or the container already carries a grant annotation."""
-    for key in (ANNOTATION_GRANTED, ANNOTATION_SHARED):
-        for where, carried in (("annotation", info.pod_annotations),
-                               ("container annotation", info.container_annotations)):
-            if key in carried:
-                raise RequestError("reserved: nri-accel records there what it granted, "
-                                   "remove it", source=f"{where} {key}")
-
-
-def _read_grant(container_id: str, annotations: Mapping[str, str]) -> _Grant | None:
-    granted = annotations.get(ANNOTATION_GRANTED)
+def _read_grant(info: ContainerInfo) -> Grant | None:
+    own = own_annotations(info.container_annotations, info.pod_annotations)
+    granted = own.get(ANNOTATION_GRANTED)
     if not granted:
         return None
-    names = _names(granted)
-    shared = _names(annotations.get(ANNOTATION_SHARED, ""))
-    if names is None or shared is None:
-        log.warning("grant_annotation_unreadable", container_id=container_id,
+    keys = _keys(granted)
+    shared = _keys(own.get(ANNOTATION_SHARED, ""))
+    if keys is None or shared is None:
+        log.warning("grant_annotation_unreadable", container_id=info.container_id,
                     annotation=ANNOTATION_GRANTED, value=repr(granted[:200]))
         return None
-    return _Grant(held=names - shared, shared=shared & names)
+    return Grant(info.container_id, name=info.label, pod_uid=info.pod_uid,
+                 pod_id=info.pod_id, container_name=info.container_name,
+                 exclusive=keys - shared, shared=shared & keys)
 
 
-def _names(value: str) -> frozenset[str] | None:
-    """Comma-separated qualified names, or None if it is not that."""
+def _keys(value: str) -> frozenset[str] | None:
+    """Comma-separated device keys (kind=id), or None if it is not that."""
     parts = [p.strip() for p in value.split(",") if p.strip()]
-    if len(parts) > _MAX_RESTORED_NAMES:
+    if len(parts) > _MAX_RESTORED_KEYS:
         return None
     for p in parts:
-        kind, sep, name = p.partition("=")
-        if not sep or "/" not in kind or not name:
+        kind, sep, ident = p.partition("=")
+        if not sep or not KIND_RE.fullmatch(kind) or not ident:
             return None
     return frozenset(parts)

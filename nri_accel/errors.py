@@ -7,6 +7,11 @@ environment variable, the config key, the device id or the file. `source` carrie
 that name and `str(err)` always starts with it, so a refused container's message
 reads ``annotation devices.nri-accel.io/pod: unknown device "nvidia.com/gpu=9"``.
 The ttrpc subpackage is a standalone library and has its own root (TtrpcError).
+
+A refusal carries `status`: the name of the gRPC/ttrpc status code the runtime quotes
+("rpc error: code = ... desc = ...") in the error kubelet shows, so it says what kind of
+refusal it is. The NRI stub reads it from the exception, whatever its type, and an
+exception without one is a bug (answered UNKNOWN, logged with its traceback).
 """
 
 from __future__ import annotations
@@ -39,10 +44,37 @@ class RequestError(NriAccelError):
     Fails that one container's creation; never the daemon.
     """
 
+    status = "INVALID_ARGUMENT"
+
 
 class PolicyError(RequestError):
     """A request is well formed but the trust policy does not allow it."""
 
+    status = "PERMISSION_DENIED"
+
+
+class NotFoundError(RequestError):
+    """A request names a device this node does not have."""
+
+    status = "NOT_FOUND"
+
 
 class AllocationError(RequestError):
-    """A request is valid and allowed, but the node cannot satisfy it."""
+    """A request is valid and allowed, but the node cannot satisfy it now (devices held
+    by other containers, unhealthy, or too few)."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
+class InternalError(NriAccelError):
+    """A bug met while serving one request: the runtime gets a readable reason, the
+    traceback is logged, the daemon goes on."""
+
+    status = "INTERNAL"
+
+
+class StateError(RequestError):
+    """The grant state is not known well enough to serve the request safely (no
+    checkpoint could be read and the runtime has not synchronised yet)."""
+
+    status = "UNAVAILABLE"

@@ -2,10 +2,10 @@
 
 Owns: main_explain(args), the Pod-manifest reader (read_manifests, pod_containers), the
 simulated kubelet device manager (KubeletDevices) and the readable rendering of a Plan.
-Imports the standard library, PyYAML, nri_accel.config, nri_accel.deviceplugin.resources
-(pure, no grpc), nri_accel.engine, nri_accel.errors, nri_accel.inventory, nri_accel.log,
-nri_accel.request, and lazily nri_accel.discover (for --root) and nri_accel.nri.adjust
-(for --json, the one builder of a ContainerAdjustment).
+Imports the standard library, PyYAML, nri_accel.app, nri_accel.config,
+nri_accel.container, nri_accel.deviceplugin.resources (pure, no grpc), nri_accel.engine,
+nri_accel.errors, nri_accel.inventory, and lazily nri_accel.nri.adjust (for --json, the
+one builder of a ContainerAdjustment).
 
     nri-accel explain (--inventory FILE | --root DIR) --pod POD.yaml [--container NAME]
                       [--config FILE] [--json]
@@ -34,7 +34,8 @@ Engine (so later containers see what earlier ones hold); --container shows only 
 containers of that name (all are still allocated, in order). Output: per container the
 annotations kubelet passed, the devices, env, device nodes, mounts, hooks, annotations
 and notes; with --json the protobuf JSON mapping of the ContainerAdjustment (one
-container: the adjustment itself; several: an object keyed by "pod/container"). Exit 0
+container: the adjustment itself; several: an object keyed by "namespace/pod/container").
+Exit 0
 when every container was planned, 1 when any request was refused (the reason on stderr,
 naming the annotation or variable) or a pod asks for more of a resource than is free, 2
 for an unreadable manifest or configuration.
@@ -52,7 +53,9 @@ from typing import IO, Any
 
 import yaml
 
-from nri_accel.config import Config, load_config
+from nri_accel.app import DRY_RUN, App
+from nri_accel.config import Config
+from nri_accel.container import ContainerInfo
 from nri_accel.deviceplugin.resources import (
     Grant,
     Resource,
@@ -63,8 +66,6 @@ from nri_accel.deviceplugin.resources import (
 from nri_accel.engine import Engine, Plan
 from nri_accel.errors import AllocationError, ConfigError, RequestError
 from nri_accel.inventory import Inventory
-from nri_accel.log import configure as configure_logging
-from nri_accel.request import ContainerInfo
 
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job",
                             "ReplicationController"})
@@ -81,16 +82,16 @@ class PodContainer:
 
     @property
     def label(self) -> str:
-        return f"{self.info.pod_name}/{self.info.container_name}"
+        return self.info.label
 
 
 def main_explain(args: argparse.Namespace) -> int:
     """The `explain` verb (flags: --inventory FILE | --root DIR, --pod FILE,
     --container NAME, --config FILE, --json)."""
-    config = load_config(args.config)
-    setup_cli_logging(config)
+    app = App.from_args(args, mode=DRY_RUN)
+    config = app.config
     manifests = read_manifests(args.pod)
-    inventory = _inventory(args, config)
+    inventory = app.load_inventory()
     kubelet = KubeletDevices(inventory, config)
     containers = [c for m in manifests for c in pod_containers(m, args.pod, kubelet)]
     if args.container:
@@ -98,20 +99,6 @@ def main_explain(args: argparse.Namespace) -> int:
         if not containers:
             raise ConfigError(f"no container named {args.container!r}", source=args.pod)
     return explain(containers, Engine(inventory, config), as_json=args.json)
-
-
-def setup_cli_logging(config: Config) -> None:
-    """Diagnostics to stderr, warnings and up (debug if configured): stdout is the output."""
-    level = "debug" if config.log.level == "debug" else "warning"
-    configure_logging(level=level, fmt=config.log.format)
-
-
-def _inventory(args: argparse.Namespace, config: Config) -> Inventory:
-    if args.inventory:
-        return Inventory.load(args.inventory)
-    from nri_accel.discover import load_or_discover
-
-    return load_or_discover(None, args.root, config)
 
 
 def explain(containers: Iterable[PodContainer], engine: Engine, *, as_json: bool = False,
@@ -123,10 +110,13 @@ def explain(containers: Iterable[PodContainer], engine: Engine, *, as_json: bool
     refused = False
     for c in containers:
         try:
-            planned.append((c, engine.plan(c.info)))
+            plan = engine.plan(c.info)
+            engine.commit(plan)  # later containers see what this one holds
         except RequestError as e:
             refused = True
-            print(f"nri-accel: refused {c.info.namespace}/{c.label}: {e}", file=err)
+            print(f"nri-accel: refused {c.label}: {e}", file=err)
+            continue
+        planned.append((c, plan))
     if as_json:
         out.write(_json(planned))
     else:
@@ -137,7 +127,7 @@ def explain(containers: Iterable[PodContainer], engine: Engine, *, as_json: bool
 def _json(planned: list[tuple[PodContainer, Plan]]) -> str:
     from nri_accel.nri.adjust import build_adjustment, to_dict, to_json
 
-    adjustments = [(c, build_adjustment(p.edits, p.annotations, p.cdi_devices))
+    adjustments = [(c, build_adjustment(p.edits, p.annotations, p.cdi_devices, p.unset_env))
                    for c, p in planned]
     if len(adjustments) == 1:
         return to_json(adjustments[0][1])
@@ -161,10 +151,9 @@ def render(container: PodContainer, plan: Plan) -> str:
     else:
         lines.append("  devices: none")
     edits = plan.edits
-    if any(d.kind.startswith("nvidia.com/") for d in plan.devices) or any(
-            kv.startswith("NVIDIA_DRIVER_CAPABILITIES=") for kv in edits.env):
-        lines.append(f"  capabilities: {','.join(sorted(plan.capabilities))}")
+    lines.extend(f"  {name}: {value}" for name, value in plan.facts)
     _section(lines, "env", edits.env)
+    _section(lines, "env removed", plan.unset_env)
     _section(lines, "device nodes", (f"{n.path} {n.type} {n.major}:{n.minor}"
                                      for n in edits.device_nodes))
     _section(lines, "mounts", (f"{m.container_path} <- {m.host_path} ({','.join(m.options)})"

@@ -194,6 +194,18 @@ class Device:
         return f"{self.kind}={self.name}"
 
     @property
+    def stable_id(self) -> str:
+        """The id that keeps naming this device when the node is renumbered (a MIG
+        reconfiguration, a GPU off the bus, a driver reload): its UUID, else its PCI bus
+        id, else its name (CDI and static devices: the name their spec or config gives)."""
+        return self.uuid or self.pci_bus_id or self.name
+
+    @property
+    def key(self) -> str:
+        """"<kind>=<stable id>": what holdings and grant records name a device by."""
+        return f"{self.kind}={self.stable_id}"
+
+    @property
     def ids(self) -> tuple[str, ...]:
         """Every id this device answers to: name, uuid, aliases."""
         return (self.name, *((self.uuid,) if self.uuid else ()), *self.aliases)

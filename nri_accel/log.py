@@ -1,12 +1,15 @@
 """Logging: structlog configured once, snake_case events, JSON when not on a TTY.
 
-Owns: configure() and get_logger(). Imports structlog and the standard library.
+Owns: configure(), get_logger() and the daemon's log file (open_log_file, RotatingFile).
+Imports structlog and the standard library.
 
 Every module logs with ``log = get_logger(__name__)`` and binds context
 (``pod``, ``namespace``, ``container``) rather than formatting it into messages.
 Event names are snake_case (``container_created``, ``registered``, ``inventory_changed``).
 In pre-registered mode stderr is /dev/null: configure(file=...) sends logs to a file
-(or the journal's stderr when run by systemd).
+(DEFAULT_PREREGISTERED_LOG unless --log-file says otherwise), which rotates when it
+reaches MAX_LOG_BYTES (one older file kept, as `<file>.1`), so a plugin nobody watches
+cannot fill the disk. Run by systemd, logs go to stderr, the journal.
 
 get_logger()'s loggers follow the newest configuration, whoever set it (configure()
 here, structlog.configure() or structlog.testing.capture_logs() in tests), and are
@@ -18,12 +21,15 @@ is read from structlog's private _CONFIG (the defaults its own lazy proxies read
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import IO, Any
 
 import structlog
 from structlog._config import _CONFIG
 
+DEFAULT_PREREGISTERED_LOG = "/var/log/nri-accel.log"
+MAX_LOG_BYTES = 16 << 20
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
 
@@ -40,6 +46,51 @@ class _StderrNow:
 
     def isatty(self) -> bool:
         return sys.stderr.isatty()
+
+
+class RotatingFile:
+    """An append-only text log file that starts over in a fresh file once it holds
+    `max_bytes` (the full one is kept as `<path>.1`, replacing the previous one). It
+    has the part of a file's interface loggers use: write, flush, isatty, close."""
+
+    def __init__(self, path: str, max_bytes: int = MAX_LOG_BYTES) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._size = self._file.tell()
+
+    def write(self, text: str) -> int:
+        if self._size + len(text) > self.max_bytes and self._size:
+            self._file.close()
+            os.replace(self.path, self.path + ".1")
+            self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+            self._size = 0
+        self._size += len(text)
+        return self._file.write(text)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def open_log_file(path: str | None, *, preregistered: bool) -> IO[str] | None:
+    """Where a daemon logs: `path`, or DEFAULT_PREREGISTERED_LOG when the runtime
+    launched it (its stderr is /dev/null), else None (stderr). A file that cannot be
+    opened is said on stderr, and logging stays there."""
+    if path is None and not preregistered:
+        return None
+    target = path or DEFAULT_PREREGISTERED_LOG
+    try:
+        return RotatingFile(target)  # type: ignore[return-value]
+    except OSError as exc:
+        print(f"nri-accel: cannot open log file {target}: {exc.strerror}; logging to stderr",
+              file=sys.stderr)
+        return None
 
 
 def configure(level: str = "info", fmt: str = "auto", file: IO[str] | None = None) -> None:

@@ -1,17 +1,19 @@
 """The nri-accel NRI plugin: the handlers that wire the runtime to the Engine, and `run`.
 
 Owns: AccelPlugin (Synchronize -> Engine.restore, CreateContainer -> Engine.plan ->
-adjustment, StopContainer/RemoveContainer -> Engine.release, Configure -> a warning
-when the runtime hands over a plugin configuration; the one canonical log line per
-CreateContainer) and main_run (the `nri-accel run` daemon: configuration,
-logging, inventory, refresh, the stub). Imports nri_accel.config, errors, inventory,
-log, engine and nri (stub, adjust, convert); nri_accel.discover only when it
-discovers, so `run --inventory FILE` does not load the discoverers.
+adjustment -> size check -> Engine.commit, StopContainer/RemoveContainer and
+Stop/RemovePodSandbox -> release, Configure -> a warning when the runtime hands over a
+plugin configuration; the one canonical log line per CreateContainer) and main_run (the
+`nri-accel run` daemon: the App, the grant checkpoint, the state shared with the device
+plugin, the refresher and the stub). Imports nri_accel.app, nri_accel.config,
+nri_accel.container, nri_accel.engine, nri_accel.errors, nri_accel.log,
+nri_accel.request (the grant annotation keys), nri_accel.state, nri_accel.ttrpc (the
+message size limit) and nri_accel.nri (stub, adjust, convert).
 
-Logs go to stderr, or to --log-file (log.configure sends the ttrpc library's
-standard-library logging to the same place). A plugin the runtime launches itself
+Logs go to stderr, or to --log-file. A plugin the runtime launches itself
 (pre-registered: NRI_PLUGIN_SOCKET set) has stdout and stderr on /dev/null, so its
-logs go to --log-file or else to DEFAULT_PREREGISTERED_LOG.
+logs, fatal errors included, go to --log-file or else to /var/log/nri-accel.log
+(size-bounded, see nri_accel.log).
 """
 
 from __future__ import annotations
@@ -19,34 +21,44 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import re
 import sys
 import time
-from typing import IO, Any
+from typing import Any
 
 from nri_accel import log as logging_setup
-from nri_accel.config import DEFAULT_CONFIG_PATH, Config, load_config
-from nri_accel.engine import Engine
-from nri_accel.errors import NriAccelError
-from nri_accel.inventory import Inventory
+from nri_accel.app import DAEMON, App
+from nri_accel.config import DEFAULT_CONFIG_PATH
+from nri_accel.container import ContainerInfo
+from nri_accel.engine import Engine, Plan
+from nri_accel.errors import ConfigError, InternalError, NriAccelError, RequestError
 from nri_accel.nri import adjust, convert
-from nri_accel.nri.stub import Stub, resolve_identity
+from nri_accel.nri.stub import Stub, StubConfigError, resolve_identity
+from nri_accel.request import RESERVED_KEYS
+from nri_accel.state import Checkpoint, CheckpointWriter, NriStatus, boottime
+from nri_accel.ttrpc import MAX_MESSAGE_SIZE
 
-DEFAULT_PREREGISTERED_LOG = "/var/log/nri-accel.log"
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# What the runtime can receive: the ttrpc message limit, less room for the response
+# envelope around the adjustment (field tags and lengths, the status).
+MAX_ADJUSTMENT_BYTES = MAX_MESSAGE_SIZE - 1024
 
 log = logging_setup.get_logger(__name__)
 
 
 class AccelPlugin:
-    """NRI handlers over an Engine. Subscribes to CreateContainer, StopContainer and
-    RemoveContainer (and synchronises); every handler is pure computation. These three
-    events exist in every NRI v2 runtime (containerd 1.7+, CRI-O 1.26+), which matters:
-    a runtime refuses a subscription to an event it does not know, and the NRI of
-    containerd 1.7 (v0.3-v0.6) knows only events 1-11 (up to REMOVE_CONTAINER)."""
+    """NRI handlers over an Engine. Subscribes to StopPodSandbox, RemovePodSandbox,
+    CreateContainer, StopContainer and RemoveContainer (and synchronises); every handler
+    is pure computation. These events exist in every NRI v2 runtime (containerd 1.7+,
+    CRI-O 1.26+), which matters: a runtime refuses a subscription to an event it does not
+    know, and the NRI of containerd 1.7 (v0.3-v0.6) knows only events 1-11 (up to
+    REMOVE_CONTAINER). `on_change` is called after every change of the holdings (the
+    checkpoint writer)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_change: Any = None) -> None:
         self.engine = engine
+        self._on_change = on_change or (lambda: None)
 
     def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
         """Configure carries the runtime's plugin configuration: for a plugin it launches,
@@ -61,39 +73,78 @@ class AccelPlugin:
                                f"(default {DEFAULT_CONFIG_PATH}), not from the runtime")
 
     def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
-        self.engine.restore(convert.live_containers(containers, pods))
+        self.engine.restore(convert.live_containers(containers, pods, RESERVED_KEYS))
+        self._on_change()
 
     def create_container(self, pod: Any, container: Any) -> Any:
         started = time.perf_counter_ns()
         info = convert.container_info(pod, container)
         try:
             plan = self.engine.plan(info)
-            result = adjust.build_adjustment(plan.edits, plan.annotations, plan.cdi_devices)
-        except Exception as exc:
-            duration_us = (time.perf_counter_ns() - started) // 1000
-            unexpected = not isinstance(exc, NriAccelError)
-            log.warning("container_refused", namespace=_shown(info.namespace),
-                        pod=_shown(info.pod_name), container=_shown(info.container_name),
-                        error=_shown(str(exc), 1024),
-                        source=_shown(getattr(exc, "source", "")), duration_us=duration_us,
-                        exc_info=exc if unexpected else None)
-            if unexpected:  # a bug: the container fails with a readable reason, we go on
-                raise NriAccelError(f"nri-accel internal error: {exc}") from exc
+            result = adjust.build_adjustment(plan.edits, plan.annotations, plan.cdi_devices,
+                                             plan.unset_env)
+            _check_size(result, plan)
+            self.engine.commit(plan)
+        except NriAccelError as exc:
+            self._refused(info, exc, started)
             raise
-        duration_us = (time.perf_counter_ns() - started) // 1000
+        except Exception as exc:  # a bug: the container fails with a readable reason
+            self._refused(info, exc, started)
+            raise InternalError(f"nri-accel internal error: {exc}") from exc
+        if plan.grant.exclusive or plan.grant.shared:
+            self._on_change()
         log.info("container_created", namespace=_shown(info.namespace),
                  pod=_shown(info.pod_name), container=_shown(info.container_name),
                  devices=[d.qualified_name for d in plan.devices],
-                 capabilities=sorted(plan.capabilities) if plan.devices else [],
+                 granted_by={q: _shown(s) for q, s in plan.granted_by.items()},
+                 **{k: v for k, v in plan.facts if plan.devices},
                  cdi_devices=list(plan.cdi_devices), notes=list(plan.notes),
-                 duration_us=duration_us)
+                 duration_us=(time.perf_counter_ns() - started) // 1000)
         return result
 
+    def _refused(self, info: ContainerInfo, exc: Exception, started: int) -> None:
+        unexpected = not isinstance(exc, NriAccelError)
+        log.warning("container_refused", namespace=_shown(info.namespace),
+                    pod=_shown(info.pod_name), container=_shown(info.container_name),
+                    error=_shown(str(exc), 1024), source=_shown(getattr(exc, "source", "")),
+                    duration_us=(time.perf_counter_ns() - started) // 1000,
+                    exc_info=exc if unexpected else None)
+
     def stop_container(self, pod: Any, container: Any) -> None:
-        self.engine.release(container.id)
+        self._released(self.engine.release(container.id))
 
     def remove_container(self, pod: Any, container: Any) -> None:
-        self.engine.release(container.id)
+        self._released(self.engine.release(container.id))
+
+    def stop_pod_sandbox(self, pod: Any) -> None:
+        # CRI-O sends nothing for a container whose `runc create` failed after the
+        # adjustment: the pod's end is where its grant ends.
+        for g in self.engine.release_pod(pod.uid, pod.id):
+            self._released(g)
+
+    def remove_pod_sandbox(self, pod: Any) -> None:
+        self.stop_pod_sandbox(pod)
+
+    def _released(self, grant: Any) -> None:
+        if grant is not None:
+            log.debug("grant_released", container_id=grant.container_id,
+                      container=_shown(grant.name))
+            self._on_change()
+
+
+def _check_size(adjustment: Any, plan: Plan) -> None:
+    """Refuse an answer the runtime could not receive (over the ttrpc message limit,
+    which a huge LD_LIBRARY_PATH echoed back can reach), naming the variable to blame,
+    before anything is held."""
+    size = adjustment.ByteSize()
+    if size <= MAX_ADJUSTMENT_BYTES:
+        return
+    biggest = max(plan.edits.env, key=len, default="")
+    name = biggest.partition("=")[0]
+    raise RequestError(f"the answer would be {size} bytes, over the {MAX_MESSAGE_SIZE}-byte "
+                       "limit of the runtime's NRI connection, mostly this variable's "
+                       f"value ({len(biggest)} bytes) that nri-accel extends: shorten it",
+                       source=f"env {name}" if name else "container")
 
 
 def _shown(text: str, limit: int = 256) -> str:
@@ -104,71 +155,95 @@ def _shown(text: str, limit: int = 256) -> str:
     return repr(text[:limit])[1:-1] + ("..." if len(text) > limit else "")
 
 
+# ---- the daemon --------------------------------------------------------------------------
+
+
 def main_run(args: argparse.Namespace) -> int:
-    """`nri-accel run`: flags --socket, --name, --idx, --config, --log-file,
-    --inventory FILE | --root DIR. Returns the exit status."""
-    config = load_config(args.config)
+    """`nri-accel run`: flags --socket, --name, --idx, --config, --log-file, --state-dir,
+    --metrics-address, --inventory FILE | --root DIR. Returns the exit status."""
     fd = Stub.inherited_fd()
-    log_file = _log_destination(args.log_file, preregistered=fd is not None)
-    logging_setup.configure(level=config.log.level, fmt=config.log.format, file=log_file)
-    identity = resolve_identity(args.name, args.idx, argv0=sys.argv[0],
-                                default_name=config.nri.name, default_idx=config.nri.idx)
-    inventory, refresher_args = _inventory(args, config)
-    engine = Engine(inventory, config)
-    stub = Stub(AccelPlugin(engine), identity, socket_path=args.socket or config.nri.socket,
-                fd=fd)
+    preregistered = fd is not None
+    if preregistered:  # stderr is /dev/null: even a fatal configuration error is logged
+        logging_setup.configure(file=logging_setup.open_log_file(args.log_file,
+                                                                 preregistered=True))
     try:
-        return asyncio.run(_serve(stub, engine, config, refresher_args))
+        app = App.from_args(args, mode=DAEMON, log_file=args.log_file,
+                            preregistered=preregistered)
+    except NriAccelError as e:
+        log.error("fatal_error", error=str(e))
+        raise
+    try:
+        return _run(app, args, fd)
+    except NriAccelError as e:
+        log.error("fatal_error", error=str(e))
+        raise
     finally:
-        if log_file is not None:
-            log_file.close()
+        app.close()
 
 
-def _inventory(args: argparse.Namespace, config: Config) -> tuple[Inventory, Any]:
-    """The inventory to start with, and what a Refresher needs (None: no refresh)."""
-    if args.inventory:
-        inventory = Inventory.load(args.inventory)
-        log.info("inventory_loaded", path=args.inventory, devices=len(inventory.devices))
-        return inventory, None
-    from nri_accel.discover import discover, host_root
-    from nri_accel.discover.watch import watch_state
-
-    root = host_root(args.root, config)
-    state = watch_state(root, config)  # before discovery: a change meanwhile is seen later
-    inventory = discover(root, config)
-    log.info("inventory_discovered", root=root.root, devices=len(inventory.devices),
-             problems=len(inventory.problems))
-    return inventory, (root, state)
+def _run(app: App, args: argparse.Namespace, fd: int | None) -> int:
+    config = app.config
+    try:
+        identity = resolve_identity(args.name, args.idx, argv0=sys.argv[0],
+                                    default_name=config.nri.name, default_idx=config.nri.idx)
+    except StubConfigError as e:
+        raise ConfigError(e.message, source=e.source) from e
+    inventory = app.load_inventory()
+    engine = Engine(inventory, config)
+    checkpoint = Checkpoint(config.state_dir)
+    grants, known = checkpoint.load()
+    engine.load_checkpoint(grants, known=known)
+    return asyncio.run(_serve(app, engine, checkpoint, identity, fd, args.socket))
 
 
-async def _serve(stub: Stub, engine: Engine, config: Config, refresher_args: Any) -> int:
+async def _serve(app: App, engine: Engine, checkpoint: Checkpoint, identity: Any,
+                 fd: int | None, socket_path: str | None) -> int:
+    config = app.config
+    writer = CheckpointWriter(checkpoint, engine.holdings.snapshot)
+    writer.changed()  # every run writes one before it serves (see nri_accel.state)
+    await writer.flush()
+    stub = Stub(AccelPlugin(engine, writer.changed), identity,
+                socket_path=socket_path or config.nri.socket, fd=fd)
     stub.install_signal_handlers()
-    refresh = None
-    if refresher_args is not None:
-        from nri_accel.discover.watch import Refresher
-
-        root, state = refresher_args
-        refresher = Refresher(root, config, engine.inventory,
-                              engine.swap_inventory, state=state)
-        refresh = asyncio.get_running_loop().create_task(refresher.run())
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(_publish_status(stub, config.state_dir))]
+    refresher = app.refresher(engine.inventory, engine.swap_inventory)
+    if refresher is not None:
+        tasks.append(loop.create_task(refresher.run()))
     try:
         return await stub.run()
     finally:
-        if refresh is not None:
-            refresh.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await refresh
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(OSError):
+            NriStatus(registered=False, plugin=stub.identity.full_name, pid=os.getpid(),
+                      heartbeat=boottime()).save(config.state_dir)
+        await writer.flush()
         log.info("plugin_stopped", plugin=stub.identity.full_name)
 
 
-def _log_destination(path: str | None, *, preregistered: bool) -> IO[str] | None:
-    """The file logs go to (None: stderr)."""
-    if path is None and not preregistered:
-        return None
-    target = path or DEFAULT_PREREGISTERED_LOG
-    try:
-        return open(target, "a", buffering=1, encoding="utf-8")
-    except OSError as exc:
-        print(f"nri-accel: cannot open log file {target}: {exc.strerror}; logging to stderr",
-              file=sys.stderr)
-        return None
+async def _publish_status(stub: Stub, state_dir: str) -> None:
+    """Keep `<state dir>/nri-plugin.json` saying whether this plugin is registered with
+    the runtime: written at once on a change (checked every 0.25 s) and every
+    NriStatus.HEARTBEAT seconds, so the device plugin sees it alive."""
+    last: tuple[bool, float] | None = None
+    failed = False
+    while True:
+        registered = stub.registered.is_set()
+        now = boottime()
+        if last is None or last[0] != registered or now - last[1] >= NriStatus.HEARTBEAT:
+            runtime = f"{stub.runtime.name} {stub.runtime.version}".strip()
+            try:
+                NriStatus(registered, runtime, stub.identity.full_name, os.getpid(),
+                          now).save(state_dir)
+            except OSError as e:
+                if not failed:
+                    log.error("state_write_failed", state_dir=state_dir,
+                              error=e.strerror or str(e),
+                              effect="the device plugin reports every device Unhealthy")
+                failed = True
+            else:
+                failed = False
+            last = (registered, now)
+        await asyncio.sleep(0.25)

@@ -1,54 +1,60 @@
 """The trust policy: which request sources may grant devices, for which namespaces.
 
-Owns: Origin, Verdict, Policy. Imports nri_accel.config only. Pure: no I/O. This is the
-one module that decides trust (DESIGN.md, "Trust model"); request.py asks it and acts.
+Owns: Verdict, Policy, Request and Policy.apply() (one container's parsed sources ->
+what is granted, what only narrows, the notes), and own_annotations() (which of a
+container's annotations are its own, for rebuilding grants). Imports the standard
+library, nri_accel.config (types), nri_accel.container, nri_accel.errors,
+nri_accel.request and nri_accel.syntax. Pure: no I/O. This is the one module that decides
+trust (DESIGN.md, "Trust model"); request.py only parses, the other stages act on the
+Request.
 
 Sources, by rank (a higher rank is consulted first):
 
 1. Origin.CONTAINER: container annotations written by kubelet from a device plugin's
-   Allocate (``devices.nri-accel.io``) and CDI requests (``cdi.k8s.io/*``,
-   ``nvidia.cdi.k8s.io/*``). They went through scheduling, so they grant. A container
-   annotation whose key the pod also carries is NOT trusted (CRI-O copies pod annotations
-   into the container's, containerd can pass some through): container_annotation_trusted().
+   Allocate (``devices.nri-accel.io``, ``devices.nri-accel.io/resource.*``) and CDI
+   requests (``cdi.k8s.io/*``, ``nvidia.cdi.k8s.io/*``). They went through scheduling, so
+   they grant. A container annotation whose key the pod also carries is NOT trusted
+   (CRI-O copies pod annotations into the container's, containerd can pass some
+   through): it ranks with the pod annotations.
 2. Origin.POD: pod annotations (``devices.nri-accel.io/...``, ``cdi-devices.noderesource.dev/...``,
    ``cdi.k8s.io/*`` on the pod). Whoever creates the pod writes them.
 3. Origin.ENV: the container's environment (NVIDIA_VISIBLE_DEVICES, NV_GPU,
-   AWS_NEURON_VISIBLE_DEVICES, NVIDIA_MIG_*). Whoever builds the image or the pod writes it.
+   AWS_NEURON_VISIBLE_DEVICES, HABANA_VISIBLE_DEVICES, ...). Whoever builds the image or
+   the pod writes it.
 
 Modes (config ``[policy]``):
 - "kubernetes" (default): only Origin.CONTAINER grants; pod annotations and env grant only
   for namespaces in ``trusted_namespaces``.
 - "standalone": every origin grants (a node without a device plugin, podman, nerdctl).
 
-decide() turns that into a verdict per device claim. `vendor_granted` says whether a
-higher-ranked source already granted devices of the claim's vendor (inventory.vendor_of:
-the part of the kind before "/", so nvidia.com covers GPUs and MIG devices). Such a claim
-only narrows (LIMIT),
-whatever its origin may grant, so a CUDA image's NVIDIA_VISIBLE_DEVICES=all never widens
-an allocation. A claim with nothing to narrow that may not grant is REFUSED when it is an
-explicit pod annotation and IGNORED (with a note) when it comes from env, because every
-CUDA image ships NVIDIA_VISIBLE_DEVICES=all; this mirrors the toolkit's
-accept-nvidia-visible-devices-envvar-when-unprivileged=false.
+Per source and vendor (the part of a kind before "/": nvidia.com covers GPUs and MIG
+devices) a verdict: a claim of a vendor that a higher-ranked source already granted only
+narrows (LIMIT), whatever its origin may grant, so a CUDA image's
+NVIDIA_VISIBLE_DEVICES=all never widens an allocation. A claim with nothing to narrow
+that may not grant is REFUSED when it is an explicit pod annotation and IGNORED (with a
+note) when it comes from env, because every CUDA image ships NVIDIA_VISIBLE_DEVICES=all;
+this mirrors the toolkit's accept-nvidia-visible-devices-envvar-when-unprivileged=false.
+An env ask only a granting source may make (NVIDIA_MIG_CONFIG_DEVICES, ...) is refused
+where env may not grant (the toolkit: in an unprivileged container).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from nri_accel.config import Config
+from nri_accel.container import ContainerInfo
+from nri_accel.errors import PolicyError
+from nri_accel.request import Origin, Parsed, Source, parse
+from nri_accel.syntax import DeviceClaim, claim_order
+
+if TYPE_CHECKING:
+    from nri_accel.config import Config
 
 MODE_KUBERNETES = "kubernetes"
 MODE_STANDALONE = "standalone"
-
-
-class Origin(enum.Enum):
-    """Where a request comes from; the value reads well in messages."""
-
-    CONTAINER = "container annotations"
-    POD = "pod annotations"
-    ENV = "env requests"
 
 
 class Verdict(enum.Enum):
@@ -56,6 +62,36 @@ class Verdict(enum.Enum):
     LIMIT = "limit"  # may only narrow what a higher-ranked source granted
     REFUSE = "refuse"  # fail the container (PolicyError naming the source)
     IGNORE = "ignore"  # drop it and say why in Request.notes
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What one container gets asked for, after the trust policy.
+
+    Limits narrow the grants of the same vendor: the devices granted for a vendor are
+    intersected with the devices that vendor's limits name (a count limit keeps at most
+    N). `drivers_only` vendors keep their driver files but no device (NVIDIA "none").
+    Granted CDI requests are claims with `cdi` set and, as written, in `cdi_names`
+    (handed to the runtime instead when it resolves CDI itself). `options` carry each
+    family's settings (driver capabilities, requirements, ...), `visible` the families
+    whose visibility variable the env sets. `notes` say which requests were ignored and
+    why, for the canonical log line.
+    """
+
+    grants: tuple[DeviceClaim, ...] = ()
+    limits: tuple[DeviceClaim, ...] = ()
+    drivers_only: frozenset[str] = frozenset()
+    options: tuple[tuple[str, Hashable], ...] = ()
+    visible: frozenset[str] = frozenset()
+    cdi_names: tuple[str, ...] = ()  # granted CDI requests as written ("vendor/class=name")
+    notes: tuple[str, ...] = ()
+
+    def option(self, family: str) -> Hashable:
+        """The family's settings; None when the container left them at their default."""
+        for name, value in self.options:
+            if name == family:
+                return value
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +122,84 @@ class Policy:
         return (f"{origin.value} may not grant devices in {where}; allocate through the "
                 "device plugin or add the namespace to policy.trusted_namespaces")
 
-    @staticmethod
-    def container_annotation_trusted(key: str, pod_annotations: Mapping[str, str]) -> bool:
-        """A container annotation is kubelet's only if the pod does not carry the key."""
-        return key not in pod_annotations
+    def request_for(self, info: ContainerInfo) -> Request:
+        """The Request of one container: its annotations and env parsed
+        (nri_accel.request.parse) and this policy applied. Raises RequestError (a
+        malformed value) or PolicyError (a refused one), naming the source."""
+        return self.apply(parse(info), info.namespace)
+
+    def apply(self, parsed: Parsed, namespace: str) -> Request:
+        """The Request one container's parsed sources amount to in `namespace`. Raises
+        PolicyError, naming the source, for a refused one."""
+        ranked: tuple[list[Source], list[Source], list[Source]] = ([], [], [])
+        demoted = []
+        for src in parsed.sources:
+            if src.origin is Origin.CONTAINER and src.also_on_pod:
+                demoted.append(_demoted(src))
+            else:
+                ranked[_RANK[src.origin]].append(src)
+        ranked[1].extend(demoted)
+
+        grants: list[DeviceClaim] = []
+        limits: list[DeviceClaim] = []
+        notes: list[str] = []
+        drivers_only: set[str] = set()
+        granted_vendors: set[str] = set()  # by the ranks above the current one
+        for sources in ranked:
+            rank_vendors: set[str] = set()
+            for src in sources:
+                by_vendor: dict[str, list[DeviceClaim]] = {}
+                for c in src.claims:
+                    by_vendor.setdefault(c.vendor, []).append(c)
+                for vendor in src.drivers_only:
+                    by_vendor.setdefault(vendor, [])
+                for vendor in sorted(by_vendor):
+                    verdict = self.decide(src.origin, namespace,
+                                          vendor_granted=vendor in granted_vendors)
+                    mine = by_vendor[vendor]
+                    if verdict is Verdict.GRANT:
+                        grants.extend(mine)
+                        rank_vendors.add(vendor)
+                    elif verdict is Verdict.LIMIT:
+                        # "all" narrows nothing; "none" narrows the vendor's grants to nothing.
+                        limits.extend(c for c in mine if not c.all)
+                    elif verdict is Verdict.REFUSE:
+                        raise PolicyError(self.reason(src.origin, namespace), source=src.name)
+                    else:
+                        shown = src.text if len(src.text) <= 64 else src.text[:61] + "..."
+                        notes.append(f"{src.name}={shown} not granted: "
+                                     f"{self.reason(src.origin, namespace)}")
+                        continue
+                    if vendor in src.drivers_only:
+                        drivers_only.add(vendor)
+            granted_vendors |= rank_vendors
+
+        for source in parsed.privileged:
+            if not self.may_grant(Origin.ENV, namespace):
+                raise PolicyError(self.reason(Origin.ENV, namespace), source=source)
+        return Request(
+            grants=tuple(sorted(grants, key=claim_order)),
+            limits=tuple(sorted(limits, key=claim_order)),
+            drivers_only=frozenset(drivers_only),
+            options=parsed.options,
+            visible=parsed.visible,
+            cdi_names=tuple(sorted({f"{c.kind}={i}" for c in grants if c.cdi
+                                    for i in (c.ids or ("all",))})),
+            notes=tuple(dict.fromkeys(notes)),
+        )
+
+
+_RANK = {Origin.CONTAINER: 0, Origin.POD: 1, Origin.ENV: 2}
+
+
+def _demoted(src: Source) -> Source:
+    """A container annotation the pod sets too, with another value: whoever wrote the pod
+    may have written it, so it ranks (and is trusted) as a pod annotation."""
+    return Source(Origin.POD, src.name, src.claims, src.text)
+
+
+def own_annotations(container: Mapping[str, str], pod: Mapping[str, str]) -> dict[str, str]:
+    """The annotations that are the container's own: those whose key its pod does not
+    carry (a key the pod carries may be the runtime's copy of the pod's, written by
+    whoever wrote the pod)."""
+    return {k: v for k, v in container.items() if k not in pod}

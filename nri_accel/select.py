@@ -1,80 +1,61 @@
 """Selection: which inventory devices a container's Request gets.
 
 Owns: resolving device ids against the Inventory (DeviceIndex), serving counts (the
-choice itself is nri_accel.topology's), limits, NVIDIA_REQUIRE_* checks per granted GPU,
-and the Selection record. Imports the standard library, nri_accel.errors,
-nri_accel.inventory, nri_accel.request, nri_accel.topology and (for types)
-nri_accel.requirements.
-Pure functions over frozen data: no I/O, no NVML, no logging. The allocation *state*
-(which running container holds what) lives in nri_accel.engine and comes in as `busy`.
+choice itself is nri_accel.topology's), limits, the family rules' call points, and the
+Selection record. Imports the standard library, nri_accel.errors, nri_accel.inventory,
+nri_accel.policy (the Request), nri_accel.syntax, nri_accel.topology and nri_accel.vendors.
+Pure functions over frozen data: no I/O, no NVML, no logging. Who holds what lives in
+nri_accel.state and comes in as `busy`; the exclusivity rule itself is decided there.
 
-Semantics (the NVIDIA ones follow libnvidia-container's select_devices):
+Semantics (the NVIDIA ones follow libnvidia-container's select_devices; each family adds
+its own rules through its profile, see nri_accel.vendors.base):
 
-- An id names a device by its name, UUID or alias, case-insensitively. A claim of kind
-  nvidia.com/gpu resolves across GPUs and MIG devices, as NVIDIA_VISIBLE_DEVICES does:
-  a GPU index ("3"), a "GPU-" UUID, a PCI bus id in any zero padding ("0:3b:0.0",
-  "00000000:3B:00.0"), a "MIG-" UUID or "gpu:mig" ("7:1"). An unknown id fails the
-  container with an AllocationError naming the claim's source and what the node has.
-- A GPU in MIG mode requested whole is refused (its MIG devices are what a workload can
-  use), except for a container asking for MIG config or monitor capabilities; those
-  capabilities are refused beside specific MIG devices (they act on whole GPUs).
-- `all` is every healthy device of the kind. For nvidia.com/gpu that is every healthy GPU,
-  MIG-enabled ones included, plus every healthy MIG device: the toolkit's `all`.
-- A count is served from free healthy devices (GPUs in MIG mode are never chosen by
-  count) by nri_accel.topology.choose, the policy the device plugin's
-  GetPreferredAllocation shares: one NUMA node, then the most direct links (NVLink,
-  NeuronLink) inside the set, then the fewest links broken between free devices, then
-  the NUMA node with the fewest free devices (best fit), then index order; spanning as
-  few NUMA nodes as possible when no one node has enough.
-- Exclusivity: a device granted by count or by explicit id is *held*; the allocator never
-  picks a held device for a count, so a device chosen by count is never handed to two
-  running containers by count. Explicit ids and `all` do not check holdings: they come
-  from the device plugin's allocation, an operator or a trusted namespace and may share
-  (a monitoring agent asking for `all` must not block every count request). Devices
-  granted only through `all` are *shared* and hold nothing.
-- Limits only narrow: per vendor (the part of the kind before "/": nvidia.com covers GPUs
-  and MIG devices), the granted devices are intersected with the devices the limits name.
-  A limit naming a device that was not granted is refused with a PolicyError naming the
-  limit's source; a count limit keeps at most that many of the vendor's granted devices
-  (in index order); `all` limits nothing. NVIDIA_VISIBLE_DEVICES=none leaves no
-  nvidia.com device (the driver files still come, see nri_accel.edits).
+- An id names a device by its name, UUID, alias or PCI bus id (in any zero padding,
+  "0:3b:0.0" = "0000:3b:00.0"), case-insensitively, among the kinds the claim's kind
+  covers (a nvidia.com/gpu id may name a MIG device). A kubelet time-slicing replica id
+  "<id>::<n>" names device <id>, shared. An unknown id fails the container with a
+  NotFoundError naming the claim's source and what the node has; a device the family
+  refuses when named (a GPU in MIG mode) or an unhealthy one is refused, naming it.
+- `all` is every healthy device of the kinds the kind covers.
+- A count is served from the healthy devices its family lets a count choose that no
+  running container holds (`busy`) by nri_accel.topology.choose, the policy the device
+  plugin's GetPreferredAllocation shares: one NUMA node, then the most direct links
+  (NVLink, NeuronLink) inside the set, then the fewest links broken between free devices,
+  then the NUMA node with the fewest free devices (best fit), then index order; spanning
+  as few NUMA nodes as possible when no one node has enough.
+- Devices granted only through `all`, through a time-slicing replica, or of a kind the
+  configuration shares are *shared*; every other grant (an id, a count, a CDI request) is
+  exclusive. nri_accel.state refuses an exclusive grant of a device another running
+  container holds, naming that container.
+- Limits only narrow: per vendor (the part of the kind before "/"), the granted devices
+  are intersected with the devices the limits name. A limit naming a device that was not
+  granted is refused with a PolicyError naming the limit's source; a count limit keeps
+  at most that many of the vendor's granted devices (in index order); `all` limits
+  nothing. A drivers-only vendor (NVIDIA_VISIBLE_DEVICES=none) keeps no device.
 - CDI requests (claims with `cdi`) resolve like ids ("vendor/class=all": every device of
-  the kind); with cdi_passthrough they are not resolved but handed to the runtime as CDI
-  device names (Selection.cdi_devices), which resolves them from its own spec files.
+  the kind); with cdi_passthrough they are handed to the runtime as CDI device names
+  (Selection.cdi_devices), which resolves them from its own spec files, and the devices
+  they name on this node are still held (Selection.passthrough).
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import Any
 
-from nri_accel.errors import AllocationError, PolicyError, RequestError
-from nri_accel.inventory import (
-    KIND_GPU,
-    KIND_MIG,
-    NVIDIA_VENDOR,
-    Device,
-    Inventory,
-    parse_pci_bus_id,
-    vendor_of,
-)
-from nri_accel.request import ENV_MIG_CONFIG, ENV_MIG_MONITOR, DeviceClaim, Request
+from nri_accel.errors import AllocationError, NotFoundError, PolicyError
+from nri_accel.inventory import Device, Inventory, parse_pci_bus_id, vendor_of
+from nri_accel.policy import Request
+from nri_accel.syntax import DeviceClaim
 from nri_accel.topology import Topology
 from nri_accel.topology import choose as choose_positions
-
-if TYPE_CHECKING:
-    from nri_accel.requirements import Requirements
+from nri_accel.vendors import PROFILES, family_of
 
 _MAX_ECHO = 64  # longest user-supplied id echoed back in an error message
 _MAX_LISTED = 16  # most device names listed in an "unknown device" error
-_MEMO_SIZE = 4096  # requirement checks remembered per inventory before starting over
-
-
-def mig_enabled(device: Device) -> bool:
-    """A GPU in MIG mode: only its MIG devices are usable by a workload."""
-    return device.kind == KIND_GPU and device.attributes.get("mig_mode") == "enabled"
+REPLICA_SEPARATOR = "::"  # kubelet time-slicing replica ids: "<device id>::<n>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,179 +63,186 @@ class Selection:
     """The devices one container gets.
 
     devices: granted, in inventory order (kind, then natural order of name).
-    shared: qualified names granted only through `all` (they hold nothing).
-    cdi_devices: CDI names handed to the runtime as they are (cdi_passthrough).
+    shared: keys (Device.key) of those granted shared: only through `all`, a replica,
+      or a shared kind; the others are exclusive.
+    passthrough: devices of this node named by CDI requests handed to the runtime as CDI
+      names (cdi_devices); they get no edits from nri-accel but are held like the others.
+    granted_by: qualified name -> the source that granted it, for the audit log line.
     """
 
     devices: tuple[Device, ...] = ()
     shared: frozenset[str] = frozenset()
     cdi_devices: tuple[str, ...] = ()
+    passthrough: tuple[Device, ...] = ()
     notes: tuple[str, ...] = ()
+    granted_by: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
-    def held(self) -> frozenset[str]:
-        """Qualified names this container holds: granted by count or explicit id."""
-        return frozenset(d.qualified_name for d in self.devices) - self.shared
+    def exclusive(self) -> frozenset[str]:
+        """Keys this container holds exclusively."""
+        return frozenset(d.key for d in (*self.devices, *self.passthrough)) - self.shared
 
 
 class DeviceIndex:
-    """Per-inventory lookup tables, built once (swap_inventory), read by every select().
+    """Per-inventory lookup tables, built once (on every inventory swap), read by every
+    select().
 
     Devices are numbered by their position in the inventory (its sort order); links and
     sets of devices are bit masks over those positions, so the allocator does integer
     arithmetic rather than string work (`topology`: NUMA nodes and links by position).
     """
 
-    __slots__ = ("_all", "_by_name", "_checked", "_countable", "_describe", "_pci", "_pos",
-                 "devices", "inventory", "qualified_names", "topology")
+    __slots__ = ("_all", "_countable", "_describe", "_members", "_memos", "_pci", "_pos",
+                 "by_key", "devices", "inventory", "keys", "topology")
 
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
         devices = inventory.devices
         self.devices = devices
-        self.qualified_names = tuple(d.qualified_name for d in devices)
+        self.keys = tuple(d.key for d in devices)
+        self.by_key = MappingProxyType(dict(zip(self.keys, devices, strict=True)))
         # Keyed by identity: these Device objects are the inventory's own, kept alive by it.
         self._pos = MappingProxyType({id(d): i for i, d in enumerate(devices)})
-        self._by_name = MappingProxyType({(d.kind, d.name): d for d in devices})
-        pci: dict[tuple[int, int, int, int], Device] = {}
-        for d in inventory.of_kind(KIND_GPU):
+        members: dict[str, tuple[str, ...]] = {}
+        for p in PROFILES:
+            members.update(p.members)
+        self._members = MappingProxyType(members)
+        pci: dict[tuple[str, tuple[int, int, int, int]], Device] = {}
+        for d in devices:
             for ident in (d.pci_bus_id, *d.aliases):
-                key = parse_pci_bus_id(ident)
+                key = parse_pci_bus_id(ident) if ident else None
                 if key is not None:
-                    pci.setdefault(key, d)
+                    pci.setdefault((d.kind, key), d)
         self._pci = MappingProxyType(pci)
         all_: dict[str, tuple[Device, ...]] = {}
+        countable: dict[str, tuple[int, ...]] = {}
         for kind in inventory.kinds():
-            all_[kind] = tuple(d for d in inventory.of_kind(kind) if d.healthy)
-        if KIND_GPU in all_ or KIND_MIG in all_:
-            all_[KIND_GPU] = all_.get(KIND_GPU, ()) + all_.get(KIND_MIG, ())
+            family = family_of(kind)
+            of_kind = inventory.of_kind(kind)
+            countable[kind] = tuple(self._pos[id(d)] for d in of_kind
+                                    if d.healthy and family.countable(d))
+        for kind in {*inventory.kinds(), *members}:
+            all_[kind] = tuple(d for k in self.members(kind) for d in inventory.of_kind(k)
+                               if d.healthy)
         self._all = MappingProxyType(all_)
-        self._countable = MappingProxyType({
-            kind: tuple(self._pos[id(d)] for d in inventory.of_kind(kind)
-                        if d.healthy and not mig_enabled(d))
-            for kind in inventory.kinds()})
+        self._countable = MappingProxyType(countable)
         # Links restricted to same-kind devices that exist (Topology makes them symmetric).
+        by_name = {(d.kind, d.name): d for d in devices}
         peers = []
         for d in devices:
-            linked = (self._by_name.get((d.kind, name)) for name in d.links)
+            linked = (by_name.get((d.kind, name)) for name in d.links)
             peers.append([self._pos[id(o)] for o in linked if o is not None])
         self.topology = Topology.build([d.numa_node for d in devices], peers)
-        self._describe = MappingProxyType({k: _describe_kind(k, inventory)
-                                           for k in (*inventory.kinds(), KIND_GPU)})
-        self._checked: dict[tuple[tuple[tuple[str, str], ...], int],
-                            tuple[str, str] | None] = {}
+        self._describe = MappingProxyType({k: self._describe_kind(k)
+                                           for k in {*inventory.kinds(), *members}})
+        self._memos: dict[str, dict[Any, Any]] = {}
+
+    def members(self, kind: str) -> tuple[str, ...]:
+        """The kinds `kind`'s ids and `all` cover (nvidia.com/gpu: GPUs and MIG devices)."""
+        return self._members.get(kind, (kind,))
 
     def position(self, device: Device) -> int:
         """The device's number in this index (its place in inventory order)."""
         return self._pos[id(device)]
 
     def countable(self, kind: str) -> tuple[int, ...]:
-        """Positions of the devices of `kind` a count may choose: healthy, not in MIG mode."""
+        """Positions of the devices of `kind` a count may choose."""
         return self._countable.get(kind, ())
 
-    def parent(self, device: Device) -> Device | None:
-        """The GPU a MIG device lives on."""
-        if not device.parent:
-            return None
-        return self._by_name.get((KIND_GPU, device.parent))
-
     def all_of(self, kind: str) -> tuple[Device, ...]:
-        """Every healthy device `all` means for `kind` (GPUs: MIG devices too)."""
+        """Every healthy device `all` means for `kind`."""
         return self._all.get(kind, ())
 
-    def resolve(self, kind: str, ident: str) -> Device | None:
-        """The device of `kind` answering to `ident`; nvidia.com/gpu ids may name MIG devices."""
+    def memo(self, family: str) -> dict[Any, Any]:
+        """A dict a family may keep per-inventory results in (it lives as long as this
+        index; the family bounds its size)."""
+        return self._memos.setdefault(family, {})
+
+    def resolve(self, kind: str, ident: str) -> tuple[Device | None, bool]:
+        """The device of (a kind covered by) `kind` answering to `ident`, and whether
+        `ident` is a time-slicing replica of it."""
+        base, sep, replica = ident.rpartition(REPLICA_SEPARATOR)
+        if sep and replica.isdigit() and base:
+            return self.resolve(kind, base)[0], True
         inv = self.inventory
-        found = inv.find(kind, ident)
-        if found is not None or kind != KIND_GPU:
-            return found
+        kinds = self.members(kind)
+        for k in kinds:
+            found = inv.find(k, ident)
+            if found is not None:
+                return found, False
         key = parse_pci_bus_id(ident)
-        if key is not None and key in self._pci:
-            return self._pci[key]
-        return inv.find(KIND_MIG, ident)
+        if key is not None:
+            for k in kinds:
+                found = self._pci.get((k, key))
+                if found is not None:
+                    return found, False
+        return None, False
 
-    def unknown(self, kind: str, ident: str, source: str) -> AllocationError:
+    def unknown(self, kind: str, ident: str, source: str) -> NotFoundError:
         shown = ident if len(ident) <= _MAX_ECHO else ident[:_MAX_ECHO] + "..."
-        return AllocationError(f"unknown device {kind}={shown!r}: {self._describe_for(kind)}",
-                               source=source)
+        described = self._describe.get(kind) or f"this node has no {kind} devices"
+        return NotFoundError(f"unknown device {kind}={shown!r}: {described}", source=source)
 
-    def facts(self, device: Device | None) -> dict[str, str]:
-        """What NVIDIA_REQUIRE_* compares for `device` (None: the driver alone)."""
-        driver = self.inventory.driver("nvidia")
-        facts = {"cuda": driver.cuda_version if driver else "",
-                 "driver": driver.version if driver else ""}
-        if device is not None:
-            parent = self.parent(device)
-            for key, attr in (("arch", "compute_capability"), ("brand", "brand")):
-                facts[key] = (device.attributes.get(attr)
-                              or (parent.attributes.get(attr, "") if parent else ""))
-        return facts
-
-    def unsatisfied(self, reqs: Requirements, device: Device | None) -> tuple[str, str] | None:
-        """reqs.unsatisfied() for `device`'s facts, remembered per (requirements, device):
-        images repeat the same requirements and the facts do not change."""
-        # Keyed by the variables' text (str hashes are cached; the dataclass's are not).
-        key = (tuple((r.source, r.text) for r in reqs.items),
-               -1 if device is None else self.position(device))
-        try:
-            return self._checked[key]
-        except KeyError:
-            pass
-        result = reqs.unsatisfied(self.facts(device))
-        if len(self._checked) >= _MEMO_SIZE:
-            self._checked.clear()
-        self._checked[key] = result
-        return result
-
-    def _describe_for(self, kind: str) -> str:
-        return self._describe.get(kind) or f"this node has no {kind} devices"
-
-
-def _describe_kind(kind: str, inventory: Inventory) -> str:
-    kinds = (KIND_GPU, KIND_MIG) if kind == KIND_GPU else (kind,)
-    parts = []
-    for k in kinds:
-        names = [d.name for d in inventory.of_kind(k)]
-        if names:
-            more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
-            parts.append(f"{k} {', '.join(names[:_MAX_LISTED])}{more}")
-    if not parts:
-        return ""
-    return "this node has " + "; ".join(parts)
+    def _describe_kind(self, kind: str) -> str:
+        parts = []
+        for k in self.members(kind):
+            names = [d.name for d in self.inventory.of_kind(k)]
+            if names:
+                more = (f" and {len(names) - _MAX_LISTED} more"
+                        if len(names) > _MAX_LISTED else "")
+                parts.append(f"{k} {', '.join(names[:_MAX_LISTED])}{more}")
+        return "this node has " + "; ".join(parts) if parts else ""
 
 
 # ---- select -------------------------------------------------------------------------
 
 
 def select(request: Request, index: DeviceIndex, busy: Container[str] = frozenset(), *,
-           cdi_passthrough: bool = False) -> Selection:
-    """Resolve a Request against the inventory. `busy`: qualified names held by other
-    running containers (only counts avoid them). With `cdi_passthrough`, CDI requests are
-    not resolved here but handed on as names. Raises RequestError and subclasses."""
+           cdi_passthrough: bool = False, shared_kinds: Container[str] = frozenset()
+           ) -> Selection:
+    """Resolve a Request against the inventory. `busy`: keys (Device.key) held
+    exclusively by other running containers (counts avoid them). With `cdi_passthrough`,
+    CDI requests are handed on as names. Raises RequestError and subclasses."""
     granted: dict[int, Device] = {}  # position -> device
-    held: set[int] = set()
+    specific: set[int] = set()  # named or counted: not only reached through `all`
+    shared: set[int] = set()  # named as a replica, or of a shared kind
+    by: dict[int, str] = {}
     notes: list[str] = []
     counts: list[DeviceClaim] = []
-    allow_mig_whole = request.mig_config or request.mig_monitor
+    passthrough: dict[int, Device] = {}
 
     for claim in request.grants:
+        options = request.option(family_of(claim.kind).name)
         if claim.cdi and cdi_passthrough:
+            for d, _ in _resolve_known(index, claim, notes):
+                passthrough.setdefault(index.position(d), d)
             continue
         if claim.all:
             devs = index.all_of(claim.kind)
             if not devs:
                 notes.append(f"{claim.source}: no healthy {claim.kind} devices on this node")
             for d in devs:
-                granted.setdefault(index.position(d), d)
-        elif claim.ids:
-            for d in _resolve_ids(index, claim.kind, claim.ids, claim.source):
-                if mig_enabled(d) and not allow_mig_whole:
-                    raise _whole_mig_gpu(index, d, claim.source)
-                if not d.healthy:
-                    notes.append(f"{claim.source}: {d.qualified_name} is reported unhealthy")
                 pos = index.position(d)
                 granted.setdefault(pos, d)
-                held.add(pos)
+                by.setdefault(pos, claim.source)
+        elif claim.ids:
+            for ident in claim.ids:
+                d, replica = index.resolve(claim.kind, ident)
+                if d is None:
+                    raise index.unknown(claim.kind, ident, claim.source)
+                why = family_of(d.kind).refuse_named(d, options, index)
+                if why:
+                    raise AllocationError(why, source=claim.source)
+                if not d.healthy:
+                    raise AllocationError(f"{d.qualified_name} is unhealthy ({_health(d)}): "
+                                          "it is granted to no new container",
+                                          source=claim.source)
+                pos = index.position(d)
+                granted.setdefault(pos, d)
+                specific.add(pos)
+                by[pos] = claim.source
+                if replica:
+                    shared.add(pos)
         elif claim.count is not None:
             counts.append(claim)
 
@@ -262,59 +250,71 @@ def select(request: Request, index: DeviceIndex, busy: Container[str] = frozense
         for d in _allocate(index, claim, busy, granted):
             pos = index.position(d)
             granted[pos] = d
-            held.add(pos)
+            specific.add(pos)
+            by[pos] = f"{claim.source} (count)"
 
+    narrowed = {c.vendor for c in request.limits}
     if request.limits:
         granted = _apply_limits(index, request.limits, granted)
-    if request.nvidia_none:  # the driver without a GPU, whatever else granted GPUs
-        granted = {p: d for p, d in granted.items() if vendor_of(d.kind) != NVIDIA_VENDOR}
+    if request.drivers_only:
+        granted = {p: d for p, d in granted.items()
+                   if vendor_of(d.kind) not in request.drivers_only}
 
-    if allow_mig_whole:
-        _refuse_mig_caps_beside_mig_devices(request, granted, held)
     order = sorted(granted)
     devices = tuple(granted[p] for p in order)
-    if request.requirements is not None:
-        _check_requirements(index, request, devices)
+    _check_families(request, index, devices, {
+        p for p in order if p in specific or vendor_of(granted[p].kind) in narrowed})
+    shared_keys = frozenset(
+        index.keys[p] for p in order
+        if p not in specific or p in shared or granted[p].kind in shared_kinds)
+    held_passthrough = tuple(passthrough[p] for p in sorted(passthrough))
     return Selection(
         devices=devices,
-        shared=frozenset(index.qualified_names[p] for p in order if p not in held),
+        shared=shared_keys | frozenset(d.key for d in held_passthrough
+                                       if d.kind in shared_kinds),
         cdi_devices=request.cdi_names if cdi_passthrough else (),
+        passthrough=held_passthrough,
         notes=tuple(notes),
+        granted_by=MappingProxyType({index.devices[p].qualified_name: by[p] for p in order}),
     )
 
 
-def _resolve_ids(index: DeviceIndex, kind: str, ids: Iterable[str],
-                 source: str) -> list[Device]:
+def _health(device: Device) -> str:
+    return device.attributes.get("health", "") or "reported unhealthy"
+
+
+def _resolve_known(index: DeviceIndex, claim: DeviceClaim,
+                   notes: list[str]) -> Iterable[tuple[Device, bool]]:
+    """The devices of this node a passed-through CDI claim names; a name this node's
+    inventory does not have is the runtime's to resolve, and is not tracked (noted)."""
+    if claim.all:
+        return [(d, False) for d in index.all_of(claim.kind)]
     out = []
-    for ident in ids:
-        d = index.resolve(kind, ident)
+    for ident in claim.ids:
+        d, replica = index.resolve(claim.kind, ident)
         if d is None:
-            raise index.unknown(kind, ident, source)
-        out.append(d)
+            notes.append(f"{claim.source}: {claim.kind}={ident} is not in nri-accel's "
+                         "inventory: the runtime resolves it, nri-accel does not track it")
+        else:
+            out.append((d, replica))
     return out
 
 
-def _whole_mig_gpu(index: DeviceIndex, gpu: Device, source: str) -> RequestError:
-    migs = [d.qualified_name for d in index.inventory.of_kind(KIND_MIG) if d.parent == gpu.name]
-    hint = f" ({', '.join(migs)})" if migs else " (it has none configured)"
-    return AllocationError(f"{gpu.qualified_name} is in MIG mode: request its MIG devices"
-                           f"{hint} instead of the whole GPU", source=source)
-
-
-def _refuse_mig_caps_beside_mig_devices(request: Request, granted: Mapping[int, Device],
-                                        held: Container[int]) -> None:
-    """NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES act on whole GPUs: refused
-    when the container gets specific MIG devices (named, counted, or what a narrowing
-    request left of `all`), as nvidia-container-toolkit's migCapsDevices.Validate does."""
-    narrowed = any(vendor_of(c.kind) == NVIDIA_VENDOR for c in request.limits)
-    specific = sorted(d.qualified_name for p, d in granted.items()
-                      if d.kind == KIND_MIG and (p in held or narrowed))
-    if specific:
-        var = ENV_MIG_CONFIG if request.mig_config else ENV_MIG_MONITOR
-        shown = ", ".join(specific[:_MAX_LISTED])
-        raise RequestError(f"cannot be combined with specific MIG devices ({shown}): the MIG "
-                           "configuration and monitoring capabilities act on whole GPUs; "
-                           "request whole GPUs or all", source=f"env {var}")
+def _check_families(request: Request, index: DeviceIndex, devices: tuple[Device, ...],
+                    specific: set[int]) -> None:
+    """Each family's rules over its part of the selection: for every family with a
+    device granted, or asked for its driver alone."""
+    by_family: dict[str, list[Device]] = {}
+    for d in devices:
+        by_family.setdefault(family_of(d.kind).name, []).append(d)
+    for profile in PROFILES:
+        mine = by_family.get(profile.name)
+        drivers_only = bool(profile.kinds) and vendor_of(profile.kinds[0]) in request.drivers_only
+        if mine is None and not drivers_only:
+            continue
+        mine = mine or []
+        profile.check(mine, [d for d in mine if index.position(d) in specific],
+                      request.option(profile.name), index)
 
 
 # ---- the allocator -------------------------------------------------------------------
@@ -326,8 +326,8 @@ def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Container[str],
     if count <= 0:
         return ()
     kind = claim.kind
-    names = index.qualified_names
-    free = [p for p in index.countable(kind) if p not in granted and names[p] not in busy]
+    keys = index.keys
+    free = [p for p in index.countable(kind) if p not in granted and keys[p] not in busy]
     if len(free) < count:
         total = len(index.inventory.of_kind(kind))
         if not total:
@@ -337,7 +337,7 @@ def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Container[str],
         raise AllocationError(
             f"asks for {count} {kind} but only {len(free)} of {total} are free "
             f"(free: {free_names}; the others are held by running containers, "
-            "unhealthy or in MIG mode)", source=claim.source)
+            "unhealthy or not countable)", source=claim.source)
     return tuple(index.devices[p] for p in choose_positions(index.topology, free, count))
 
 
@@ -347,14 +347,14 @@ def choose(index: DeviceIndex, free: Iterable[Device], count: int) -> tuple[Devi
     return tuple(index.devices[p] for p in choose_positions(index.topology, positions, count))
 
 
-# ---- limits and requirements -----------------------------------------------------------
+# ---- limits ------------------------------------------------------------------------------
 
 
 def _apply_limits(index: DeviceIndex, limits: Iterable[DeviceClaim],
                   granted: dict[int, Device]) -> dict[int, Device]:
     allowed: dict[str, set[int] | None] = {}  # vendor -> allowed positions (None: unlimited)
     for claim in limits:
-        vendor = vendor_of(claim.kind)
+        vendor = claim.vendor
         if claim.all:
             allowed[vendor] = None
             continue
@@ -364,13 +364,16 @@ def _apply_limits(index: DeviceIndex, limits: Iterable[DeviceClaim],
         keep = allowed.setdefault(vendor, set())
         assert keep is not None
         if claim.ids:
-            for d in _resolve_ids(index, claim.kind, claim.ids, claim.source):
+            for ident in claim.ids:
+                d, _ = index.resolve(claim.kind, ident)
+                if d is None:
+                    raise index.unknown(claim.kind, ident, claim.source)
                 pos = index.position(d)
                 if pos not in granted:
                     raise PolicyError(
                         f"{d.qualified_name} was not allocated to this container, and this "
                         f"source may only narrow the allocation "
-                        f"({_granted_list(index.qualified_names[p] for p in mine)})",
+                        f"({_granted_list(index.devices[p].qualified_name for p in mine)})",
                         source=claim.source)
                 keep.add(pos)
         elif claim.count is not None:  # at most N of the vendor's granted devices
@@ -386,23 +389,3 @@ def _apply_limits(index: DeviceIndex, limits: Iterable[DeviceClaim],
 def _granted_list(names: Iterable[str]) -> str:
     listed = list(names)
     return "allocated: " + ", ".join(listed) if listed else "nothing was allocated"
-
-
-def _check_requirements(index: DeviceIndex, request: Request,
-                        devices: tuple[Device, ...]) -> None:
-    """NVIDIA_REQUIRE_*: every granted GPU or MIG device must satisfy them (a MIG device
-    has its parent GPU's arch and brand); with NVIDIA_VISIBLE_DEVICES=none only the
-    driver facts are checked. RequestError names the variable that fails."""
-    reqs = request.requirements
-    assert reqs is not None
-    gpus = [d for d in devices if d.kind in (KIND_GPU, KIND_MIG)]
-    if not gpus:
-        if request.nvidia_none:
-            failed = index.unsatisfied(reqs, None)
-            if failed is not None:
-                raise RequestError(f"the driver: {failed[1]}", source=failed[0])
-        return
-    for d in gpus:
-        failed = index.unsatisfied(reqs, d)
-        if failed is not None:
-            raise RequestError(f"{d.qualified_name}: {failed[1]}", source=failed[0])

@@ -59,7 +59,7 @@ async def _demo(tmp: Path, *, as_json: bool) -> int:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "nri_accel.cli", "run", "--socket", socket_path,
              "--inventory", str(INVENTORY), "--config", str(CONFIG),
-             "--log-file", str(log_path)],
+             "--log-file", str(log_path), "--state-dir", str(tmp / "state")],
             stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
@@ -105,17 +105,20 @@ def _render(title: str, kubelet: Mapping[str, str], adj: Any) -> str:
     """What kubelet passed (the device plugin's Allocate annotations) and what the
     daemon answered."""
     devices = [d.path for d in adj.linux.devices]
-    env = [f"{e.key}={e.value}" for e in adj.env]
+    env = [f"{e.key}={e.value}" for e in adj.env if not e.key.startswith("-")]
+    unset = [e.key[1:] for e in adj.env if e.key.startswith("-")]
     lines = [title]
     lines.extend(f"  kubelet  {k}={v}" for k, v in sorted(kubelet.items()))
-    if not devices and not adj.mounts and not env:
+    if devices:
+        lines.append(f"  devices  {' '.join(devices)}")
+    else:
         lines.append("  no devices")
-        return "\n".join(lines) + "\n"
-    lines.append(f"  devices  {' '.join(devices)}")
-    libs = sorted(os.path.basename(m.destination) for m in adj.mounts)
-    shown = ", ".join(libs[:6]) + (f", ... ({len(libs)} in all)" if len(libs) > 6 else "")
-    lines.append(f"  mounts   {shown}")
+    if adj.mounts:
+        libs = sorted(os.path.basename(m.destination) for m in adj.mounts)
+        shown = ", ".join(libs[:6]) + (f", ... ({len(libs)} in all)" if len(libs) > 6 else "")
+        lines.append(f"  mounts   {shown}")
     lines.extend(f"  env      {kv}" for kv in env)
+    lines.extend(f"  unset    {k}" for k in unset)
     lines.extend(f"  annot.   {k}={v}" for k, v in sorted(adj.annotations.items()))
     return "\n".join(lines) + "\n"
 

@@ -4,18 +4,20 @@ Owns: which extended resources nri-accel advertises and under which device IDs, 
 choice of a preferred allocation, and the trusted grant annotation that Allocate writes
 (its key and value; nri_accel.request reads it back). Pure functions over
 frozen dataclasses: no grpc, no I/O. Imports the standard library, nri_accel.config,
-nri_accel.errors, nri_accel.inventory, nri_accel.request (the grant annotation key) and
-nri_accel.topology (the choice itself, shared with the Engine), never grpc.
+nri_accel.errors, nri_accel.inventory, nri_accel.request (the grant annotation key),
+nri_accel.topology (the choice itself, shared with the Engine) and nri_accel.vendors
+(each family's resource names), never grpc.
 
-Resources (one kubelet device plugin each):
-- `nvidia.com/gpu`: whole GPUs, except those in MIG mode (attribute mig_mode=enabled),
-  which are handed out only as their MIG devices (NVIDIA's "mixed" MIG strategy);
-- `nvidia.com/mig-<profile>`: MIG devices by profile, e.g. `nvidia.com/mig-1g.10gb`
-  (`nvidia.com/mig-1g.10gb.me` for the media-extension profile `1g.10gb+me`);
-- every other kind as is: `aws.amazon.com/neuron`, CDI and static kinds (`vendor/class`).
-A device's kubelet ID is its UUID, else its name. Anything that cannot be advertised (no
-MIG profile, a name kubelet would refuse, an ID over 63 characters) is left out with a
-Problem naming it.
+Resources (one kubelet device plugin each) are what each family's profile names
+(nri_accel.vendors.base, Profile.resources):
+- NVIDIA: `nvidia.com/gpu` for whole GPUs, except those in MIG mode, which are handed
+  out only as their MIG devices, `nvidia.com/mig-<profile>` (e.g. `nvidia.com/mig-1g.10gb`;
+  `nvidia.com/mig-1g.10gb.me` for the media-extension profile `1g.10gb+me`);
+- every other family its kinds: `aws.amazon.com/neuron`, CDI and static kinds.
+A device's kubelet ID is what stays true of it (Device.stable_id: its UUID, else its PCI
+bus id, else its name), never an index a renumbering could shift. Anything that cannot
+be advertised (no MIG profile, a name kubelet would refuse, an ID over 63 characters) is
+left out with a Problem naming it.
 
 The grant: kubelet copies the annotations of each Allocate response into the container's
 CRI annotations, where pod authors cannot write. When a container uses two resources,
@@ -36,17 +38,15 @@ from types import MappingProxyType
 
 from nri_accel.config import Config
 from nri_accel.errors import AllocationError
-from nri_accel.inventory import KIND_GPU, KIND_MIG, KIND_NEURON, Device, Inventory, Problem
+from nri_accel.inventory import Device, Inventory, Problem
 from nri_accel.request import GRANT_KEY_PREFIX
 from nri_accel.topology import Topology, choose
+from nri_accel.vendors import family_of
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
 
-# Kinds that nri-accel discovers itself; any other kind came from a CDI spec or the
-# config's static devices.
-_OWN_KINDS = frozenset({KIND_GPU, KIND_MIG, KIND_NEURON})
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
@@ -55,7 +55,7 @@ _QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 class PluginDevice:
     """One device as kubelet sees it."""
 
-    id: str  # kubelet device ID: the UUID, else the inventory name
+    id: str  # kubelet device ID: Device.stable_id
     qualified_name: str  # "<kind>=<id>", what the grant annotation lists
     healthy: bool = True
     numa_node: int | None = None
@@ -123,27 +123,32 @@ def resources_from_inventory(
     grouped: dict[str, list[Device]] = {}
     problems: list[Problem] = []
     for dev in inventory.devices:
-        if dev.kind == KIND_GPU and dev.attributes.get("mig_mode") == "enabled":
-            continue  # granted as its MIG devices only
-        name, why = _resource_name(dev)
-        if not name:
-            problems.append(Problem(dev.qualified_name, f"not advertised to kubelet: {why}"))
+        try:
+            names = family_of(dev.kind).resources(dev, config.device_plugin)
+        except ValueError as e:
+            problems.append(Problem(dev.qualified_name, f"not advertised to kubelet: {e}"))
             continue
-        did = dev.uuid or dev.name
-        if len(did) > MAX_DEVICE_ID:
-            problems.append(Problem(dev.qualified_name, f"not advertised to kubelet: device "
-                                    f"ID {did!r} is longer than {MAX_DEVICE_ID} characters"))
-            continue
-        grouped.setdefault(name, []).append(dev)
+        for name in names:
+            why = extended_resource_name_error(name)
+            if why:
+                problems.append(Problem(dev.qualified_name, f"not advertised to kubelet: {why}"))
+                continue
+            if len(dev.stable_id) > MAX_DEVICE_ID:
+                problems.append(Problem(dev.qualified_name, f"not advertised to kubelet: "
+                                        f"device ID {dev.stable_id!r} is longer than "
+                                        f"{MAX_DEVICE_ID} characters"))
+                continue
+            grouped.setdefault(name, []).append(dev)
 
     resources = []
     for name in sorted(grouped):
         devs = grouped[name]
-        ids = {d.name: d.uuid or d.name for d in devs}  # in inventory order
+        ids = {d.name: d.stable_id for d in devs}  # in inventory order
         pos = {n: k for k, n in enumerate(ids)}
         plugin_devices = []
         for d in devs:
-            cdi = passthrough and d.kind not in _OWN_KINDS and (d.kind, d.name) not in static
+            cdi = (passthrough and not family_of(d.kind).native
+                   and (d.kind, d.name) not in static)
             peers = sorted({p for p in d.links if p in ids and p != d.name}, key=pos.__getitem__)
             plugin_devices.append(PluginDevice(
                 id=ids[d.name],
@@ -155,21 +160,6 @@ def resources_from_inventory(
             ))
         resources.append(Resource(name, tuple(plugin_devices)))
     return tuple(resources), tuple(problems)
-
-
-def _resource_name(dev: Device) -> tuple[str, str]:
-    """(resource name, "") or ("", why the device cannot be advertised)."""
-    if dev.kind == KIND_MIG:
-        profile = dev.attributes.get("mig_profile", "")
-        if not profile:
-            return "", "MIG device without a mig_profile attribute"
-        # A profile's "+" (the media extension "1g.10gb+me") cannot appear in a
-        # resource name: it becomes ".", nvidia.com/mig-1g.10gb.me.
-        name = "nvidia.com/mig-" + profile.replace("+", ".")
-    else:
-        name = dev.kind
-    why = extended_resource_name_error(name)
-    return ("", why) if why else (name, "")
 
 
 def extended_resource_name_error(name: str) -> str:
@@ -188,11 +178,12 @@ def extended_resource_name_error(name: str) -> str:
 
 
 def _numa_node(dev: Device, inventory: Inventory) -> int | None:
-    if dev.numa_node is not None:
+    """The device's NUMA node, else its parent's (a MIG device's GPU)."""
+    if dev.numa_node is not None or not dev.parent:
         return dev.numa_node
-    if dev.kind == KIND_MIG and dev.parent:
-        parent = inventory.find(KIND_GPU, dev.parent)
-        if parent is not None:
+    for kind in family_of(dev.kind).kinds:
+        parent = inventory.find(kind, dev.parent)
+        if parent is not None and parent is not dev:
             return parent.numa_node
     return None
 

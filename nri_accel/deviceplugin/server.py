@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from nri_accel.config import Config, load_config
+from nri_accel.app import DAEMON, App
+from nri_accel.config import Config
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
 from nri_accel.deviceplugin import deviceplugin_pb2_grpc as pb2_grpc
 from nri_accel.deviceplugin.resources import (
@@ -44,7 +45,7 @@ from nri_accel.deviceplugin.resources import (
 )
 from nri_accel.errors import AllocationError, ConfigError
 from nri_accel.inventory import Inventory
-from nri_accel.log import configure, get_logger
+from nri_accel.log import get_logger
 
 if TYPE_CHECKING:  # importing nri_accel.discover would load every discoverer
     from nri_accel.discover.hostroot import HostRoot
@@ -375,15 +376,13 @@ async def serve(inventory: Inventory, kubelet_dir: str, *, stop: asyncio.Event,
 
 
 def main_device_plugin(args: argparse.Namespace) -> int:
-    """`nri-accel device-plugin`: flags --kubelet-dir DIR, --config FILE, --inventory FILE
-    | --root DIR. Serves until SIGTERM or SIGINT, then returns 0."""
-    from nri_accel.discover import host_root, load_or_discover
-
-    config = load_config(args.config)
-    configure(config.log.level, config.log.format)
-    inventory = load_or_discover(args.inventory, args.root, config)
-    root = None if args.inventory else host_root(args.root, config)
-    return asyncio.run(_main(inventory, args.kubelet_dir, config, root))
+    """`nri-accel device-plugin`: flags --kubelet-dir DIR, --config FILE, --state-dir DIR,
+    --metrics-address HOST:PORT, --inventory FILE | --root DIR. Serves until SIGTERM or
+    SIGINT, then returns 0."""
+    app = App.from_args(args, mode=DAEMON)
+    inventory = app.load_inventory()
+    root = None if args.inventory else app.host_root()
+    return asyncio.run(_main(inventory, args.kubelet_dir, app.config, root))
 
 
 async def _main(inventory: Inventory, kubelet_dir: str, config: Config,

@@ -1,9 +1,8 @@
 """What `nri-accel discover` and `nri-accel cdi generate` print and write.
 
 Owns: render_table(inventory) (the human report), main_discover(args) and
-main_cdi_generate(args). Imports the standard library, nri_accel.config,
-nri_accel.errors, nri_accel.inventory, nri_accel.log and nri_accel.discover
-(load_or_discover, cdi writing).
+main_cdi_generate(args). Imports the standard library, nri_accel.app, nri_accel.errors,
+nri_accel.inventory and nri_accel.vendors (each family's partition column, CDI writing).
 
 The table has three sections: DEVICES (kind, name, UUID, PCI bus id, NUMA node,
 health, MIG, and a short INFO column from the attributes), DRIVERS (each vendor, its
@@ -20,12 +19,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from nri_accel import log as logging_setup
-from nri_accel.config import Config, load_config
-from nri_accel.discover import load_or_discover
-from nri_accel.discover.cdi import generate_specs, render_spec, spec_file_name
+from nri_accel.app import REPORT, App
 from nri_accel.errors import ConfigError, NriAccelError
-from nri_accel.inventory import KIND_GPU, KIND_MIG, ContainerEdits, Device, Inventory
+from nri_accel.inventory import ContainerEdits, Device, Inventory
+from nri_accel.vendors import family_of
+from nri_accel.vendors.cdi.spec import generate_specs, render_spec, spec_file_name
 
 _COLUMNS = ("KIND", "NAME", "UUID", "PCI", "NUMA", "HEALTH", "MIG", "INFO")
 
@@ -76,16 +74,7 @@ def _device_row(inventory: Inventory, d: Device) -> tuple[str, ...]:
 
 
 def _mig(inventory: Inventory, d: Device) -> str:
-    a = d.attributes
-    if d.kind == KIND_MIG:
-        ids = "/".join(f"{k[:2]}{a[k]}" for k in ("gi_id", "ci_id") if k in a)
-        text = " ".join(x for x in (a.get("mig_profile", ""), ids) if x)
-        return " ".join(x for x in (text, f"(gpu {d.parent})" if d.parent else "") if x) or "-"
-    mode = a.get("mig_mode", "")
-    if d.kind == KIND_GPU and mode == "enabled":
-        n = sum(1 for m in inventory.of_kind(KIND_MIG) if m.parent == d.name)
-        return f"enabled, {n} instance{'s' if n != 1 else ''}"
-    return mode or "-"
+    return family_of(d.kind).partition(d, inventory) or "-"
 
 
 def _info(d: Device) -> str:
@@ -130,18 +119,11 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 # ---- CLI verbs -------------------------------------------------------------------------
 
 
-def _setup_logging(config: Config) -> None:
-    """Logs to stderr, errors only (all of it if the config asks for debug): stdout is the
-    report, and what discovery warns about is in its PROBLEMS already."""
-    level = "debug" if config.log.level == "debug" else "error"
-    logging_setup.configure(level=level, fmt=config.log.format)
-
-
 def main_discover(args: argparse.Namespace) -> int:
-    """`nri-accel discover [--root DIR] [--config FILE] [--json]`."""
-    config = load_config(args.config)
-    _setup_logging(config)
-    inventory = load_or_discover(None, args.root, config)
+    """`nri-accel discover [--root DIR] [--config FILE] [--json]`. Logs errors only (all
+    of it if the config asks for debug): stdout is the report, and what discovery warns
+    about is in its PROBLEMS already."""
+    inventory = App.from_args(args, mode=REPORT).load_inventory()
     sys.stdout.write(inventory.to_json() if args.json else render_table(inventory))
     return 0
 
@@ -154,12 +136,11 @@ def main_cdi_generate(args: argparse.Namespace) -> int:
     CDI's own tools name them (vendor-class.yaml). With a file, the inventory must hold
     a single kind. Files are replaced atomically.
     """
-    config = load_config(args.config)
-    _setup_logging(config)
-    inventory = load_or_discover(args.inventory, args.root, config)
+    inventory = App.from_args(args, mode=REPORT).load_inventory()
     specs = generate_specs(inventory)
     if not specs:
-        raise NriAccelError("no NVIDIA or Neuron devices: no CDI spec to write",
+        raise NriAccelError("no devices of a native family (NVIDIA, Neuron, ...): no CDI "
+                            "spec to write",
                             source=args.inventory or f"node {args.root or '/'}")
     if args.output is None:
         sys.stdout.write("---\n".join(render_spec(s) for s in specs))

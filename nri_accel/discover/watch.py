@@ -2,20 +2,17 @@
 
 Owns: watch_state() (the cheap change probe), nodes_match(), diff() and Refresher (the
 background asyncio task). Imports the standard library, nri_accel.config,
-nri_accel.errors, nri_accel.inventory, nri_accel.log and nri_accel.discover (discover,
-lstat_device, HostRoot).
+nri_accel.errors, nri_accel.inventory, nri_accel.log, nri_accel.discover (discover,
+lstat_device, HostRoot) and nri_accel.vendors (each family's probe()).
 
 A poll every `discovery.refresh_interval` seconds (0 disables) costs a few dozen
-stat()s and two tiny reads; nothing is rediscovered unless one of these moved:
+stat()s and a few tiny reads; nothing is rediscovered unless something moved:
 
-- driver versions: /proc/driver/nvidia/version, /sys/module/nvidia/version,
-  /sys/module/neuron/version (a driver upgrade or reload);
-- the vendor entries of /dev (nvidia*, neuron*) and /dev/nvidia-caps (hot-plug, a
-  driver creating or removing nodes), each with its lstat identity;
-- the MIG capability tree /proc/driver/nvidia/capabilities/gpuN/mig/giM/ciK
-  (MIG reconfiguration creates and removes these directories);
-- each CDI spec directory and its spec files (name, size, mtime, inode);
-- the nodes of the static config entries;
+- what each family's probe() reads: its driver version files (a driver upgrade or
+  reload), its /dev entries with their lstat identity (hot-plug, a driver creating or
+  removing nodes), NVIDIA's MIG capability tree (MIG reconfiguration creates and removes
+  its directories), each CDI spec directory and file (name, size, mtime, inode), the
+  nodes of the static config entries;
 - and every device node of the current Inventory still being the node it recorded
   (type, major, minor), which catches a CDI vendor's node disappearing or renumbered.
 
@@ -34,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,13 +42,9 @@ from nri_accel.discover.hostroot import HostRoot
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import DeviceNode, Inventory
 from nri_accel.log import get_logger
+from nri_accel.vendors import PROFILES
 
 log = get_logger(__name__)
-
-PROC_VERSION_FILES = ("/proc/driver/nvidia/version",)
-SYS_VERSION_FILES = ("module/nvidia/version", "module/neuron/version")  # under HostRoot.sys
-DEV_PREFIXES = ("nvidia", "neuron")
-MIG_CAPS_DIR = "/proc/driver/nvidia/capabilities"
 
 State = tuple[tuple[str, Any], ...]
 OnChange = Callable[[Inventory], Awaitable[None] | None]
@@ -60,46 +52,7 @@ OnChange = Callable[[Inventory], Awaitable[None] | None]
 
 def watch_state(root: HostRoot, config: Config) -> State:
     """The cheap probe: everything whose change means the node may have changed."""
-    out: list[tuple[str, Any]] = []
-    for path in (*PROC_VERSION_FILES, *(root.sys_path(rel) for rel in SYS_VERSION_FILES)):
-        try:
-            out.append((path, root.read_text(path)))
-        except (OSError, ValueError):
-            out.append((path, None))
-    for name in root.listdir(root.dev):
-        if name.startswith(DEV_PREFIXES):
-            path = root.dev_path(name)
-            out.append((path, _identity(root, path)))
-    caps = root.dev_path("nvidia-caps")
-    for name in root.listdir(caps):
-        path = f"{caps}/{name}"
-        out.append((path, _identity(root, path)))
-    for gpu in root.listdir(MIG_CAPS_DIR):
-        mig = f"{MIG_CAPS_DIR}/{gpu}/mig"
-        for gi in root.listdir(mig):
-            if gi.startswith("gi"):
-                out.append((f"{mig}/{gi}", tuple(c for c in root.listdir(f"{mig}/{gi}")
-                                                 if c.startswith("ci"))))
-    for spec_dir in config.discovery.cdi_spec_dirs:
-        out.append((spec_dir, _identity(root, spec_dir)))
-        for name in root.listdir(spec_dir):
-            path = f"{spec_dir.rstrip('/')}/{name}"
-            out.append((path, _identity(root, path, content=True)))
-    for entry in config.static_devices:
-        for path in entry.device_nodes:
-            out.append((path, _identity(root, path)))
-    return tuple(out)
-
-
-def _identity(root: HostRoot, host_path: str, *, content: bool = False) -> tuple[int, ...] | None:
-    """lstat identity: file type, device number and inode; with `content`, size and mtime
-    too (spec files). Device nodes leave mtime out: some drivers' nodes change it on use."""
-    try:
-        st = root.lstat(host_path)
-    except (OSError, ValueError):
-        return None
-    ident = (stat.S_IFMT(st.st_mode), st.st_rdev, st.st_ino)
-    return (*ident, st.st_size, st.st_mtime_ns) if content else ident
+    return tuple(entry for p in PROFILES for entry in p.probe(root, config))
 
 
 def nodes_match(root: HostRoot, inventory: Inventory) -> bool:

@@ -10,4 +10,11 @@ Modules, bottom up (each says what it owns and imports):
 - convert: NRI pods and containers -> the plain ContainerInfo of the pipeline;
 - simulator: the runtime side, for tests, benchmarks and the demo.
 Nothing outside this package reads or builds an NRI protobuf message itself.
+
+A pure adapter: it imports no domain module, only the plain data it converts to and from
+(nri_accel.container, the edit types of nri_accel.inventory), the ttrpc library and
+logging. A refusal's status comes from the exception's `status` attribute, not its type.
 """
+
+DEFAULT_SOCKET = "/var/run/nri/nri.sock"
+"""Where containerd and CRI-O serve NRI by default."""

@@ -43,6 +43,7 @@ from nri_accel.inventory import (
 from nri_accel.nri import nri_pb2 as pb
 
 MAX_MEMO_ENV_CHARS = 16384  # adjustments whose env is larger are not memoised
+REMOVAL_MARKER = "-"  # NRI pkg/api: a key so prefixed removes the variable
 
 # CDI/OCI hook names (Hook.hook_name) -> fields of nri Hooks.
 HOOK_FIELDS = {
@@ -59,13 +60,16 @@ def build_adjustment(
     edits: ContainerEdits,
     annotations: Mapping[str, str] | None = None,
     cdi_devices: Iterable[str] = (),
+    unset_env: Iterable[str] = (),
 ) -> pb.ContainerAdjustment:
-    """The ContainerAdjustment applying `edits`, adding `annotations` and `cdi_devices`.
+    """The ContainerAdjustment applying `edits`, adding `annotations` and `cdi_devices`,
+    and removing the variables `unset_env` from the container's env (NRI's removal
+    marker: the key prefixed with "-", which the runtime's generate.AdjustEnv applies).
 
     Raises ValueError for a hook whose name is not an OCI hook point.
     """
     args = (edits, tuple(sorted(annotations.items())) if annotations else (),
-            tuple(sorted(set(cdi_devices))))
+            tuple(sorted(set(cdi_devices))), tuple(sorted(set(unset_env))))
     # The env carries the container's own LD_LIBRARY_PATH, of any size: an adjustment
     # with a large env is built and not remembered, so the memo stays small.
     if sum(map(len, edits.env)) > MAX_MEMO_ENV_CHARS:
@@ -74,7 +78,7 @@ def build_adjustment(
 
 
 def _encode(edits: ContainerEdits, annotations: tuple[tuple[str, str], ...],
-            cdi_devices: tuple[str, ...]) -> bytes:
+            cdi_devices: tuple[str, ...], unset_env: tuple[str, ...]) -> bytes:
     """The adjustment's wire bytes."""
     edits = merge_edits((edits,))
     adj = pb.ContainerAdjustment()
@@ -87,6 +91,7 @@ def _encode(edits: ContainerEdits, annotations: tuple[tuple[str, str], ...],
     if edits.env:
         adj.env.extend(pb.KeyValue(key=k, value=v)
                        for k, _, v in (kv.partition("=") for kv in edits.env))
+    adj.env.extend(pb.KeyValue(key=REMOVAL_MARKER + k) for k in unset_env)
     for hook in edits.hooks:
         field = HOOK_FIELDS.get(hook.hook_name)
         if field is None:

@@ -1,20 +1,29 @@
 """NRI protobuf pods and containers -> the plain data the pipeline works on.
 
-Owns: PodSandbox + Container -> nri_accel.request.ContainerInfo, and the
-(container id, annotations) pairs of a Synchronize that Engine.restore takes, so
-that nothing outside nri_accel.nri reads a protobuf field. Imports nri_accel.policy
-(which container annotations are the container's own), nri_accel.request and this
-package's nri_pb2; pure functions.
+Owns: PodSandbox + Container -> nri_accel.container.ContainerInfo (container_info), and
+the lean ContainerInfo of each live container of a Synchronize (live_containers), so
+that nothing outside nri_accel.nri reads a protobuf field. Imports nri_accel.container
+and this package's nri_pb2; pure functions, no trust decision (the policy decides which
+annotations are a container's own).
+
+Names: containerd names a container from its CRI metadata; CRI-O names it from the
+`io.kubernetes.container.name` label, so a container created without kubelet's labels
+has no name in NRI (captured from CRI-O 1.36.3). Its CRI metadata name is then read
+from CRI-O's own `io.kubernetes.cri-o.Metadata` annotation (JSON, `{"name": ...}`),
+which CRI-O writes for every container.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import json
+from collections.abc import Iterable, Iterator
 from types import MappingProxyType
 
+from nri_accel.container import ContainerInfo
 from nri_accel.nri import nri_pb2 as pb
-from nri_accel.policy import Policy
-from nri_accel.request import ContainerInfo
+
+CRIO_METADATA = "io.kubernetes.cri-o.Metadata"
+_MAX_METADATA_CHARS = 4096
 
 
 def container_info(pod: pb.PodSandbox, container: pb.Container) -> ContainerInfo:
@@ -23,29 +32,51 @@ def container_info(pod: pb.PodSandbox, container: pb.Container) -> ContainerInfo
         namespace=pod.namespace,
         pod_name=pod.name,
         pod_uid=pod.uid,
-        container_name=container.name,
+        container_name=container_name(container),
         container_id=container.id,
         pod_annotations=MappingProxyType(dict(pod.annotations)),
         container_annotations=MappingProxyType(dict(container.annotations)),
         env=tuple(container.env),
         device_paths=frozenset(d.path for d in container.linux.devices),
         mount_destinations=frozenset(m.destination for m in container.mounts),
+        pod_id=pod.id,
     )
 
 
-def live_containers(
-    containers: Iterable[pb.Container], pods: Iterable[pb.PodSandbox] = (),
-) -> Iterator[tuple[str, Mapping[str, str]]]:
-    """(id, own annotations) of every synchronised container that has not stopped. An
-    annotation whose key its pod (among `pods`) also carries is the runtime's copy of the
-    pod's, written by whoever wrote the pod, and is left out
-    (Policy.container_annotation_trusted)."""
-    pod_annotations = {p.id: p.annotations for p in pods}
+def container_name(container: pb.Container) -> str:
+    """The container's NRI name, else its CRI metadata name as CRI-O records it."""
+    if container.name:
+        return container.name
+    raw = container.annotations.get(CRIO_METADATA, "")
+    if not raw or len(raw) > _MAX_METADATA_CHARS:
+        return ""
+    try:
+        name = json.loads(raw).get("name", "")
+    except (ValueError, AttributeError):
+        return ""
+    return name if isinstance(name, str) else ""
+
+
+def live_containers(containers: Iterable[pb.Container], pods: Iterable[pb.PodSandbox],
+                    keys: Iterable[str]) -> Iterator[ContainerInfo]:
+    """Every synchronised container that has not stopped, as a ContainerInfo carrying of
+    the container's and of its pod's annotations only `keys` (a Synchronize can list
+    tens of thousands of containers: nothing else is kept)."""
+    keys = tuple(keys)
+    by_id = {p.id: p for p in pods}
+    empty = pb.PodSandbox()
     for c in containers:
         if c.state == pb.CONTAINER_STOPPED:
             continue
-        of_pod = pod_annotations.get(c.pod_sandbox_id, {})
-        yield c.id, MappingProxyType({
-            k: v for k, v in c.annotations.items()
-            if Policy.container_annotation_trusted(k, of_pod)})
-
+        pod = by_id.get(c.pod_sandbox_id, empty)
+        yield ContainerInfo(
+            namespace=pod.namespace,
+            pod_name=pod.name,
+            pod_uid=pod.uid,
+            container_name=container_name(c),
+            container_id=c.id,
+            pod_annotations={k: pod.annotations[k] for k in keys if k in pod.annotations},
+            container_annotations={k: c.annotations[k] for k in keys if k in c.annotations},
+            env=(),
+            pod_id=c.pod_sandbox_id,
+        )

@@ -54,15 +54,8 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from nri_accel.config import DEFAULT_SOCKET
-from nri_accel.errors import (
-    AllocationError,
-    ConfigError,
-    NriAccelError,
-    PolicyError,
-    RequestError,
-)
 from nri_accel.log import get_logger
+from nri_accel.nri import DEFAULT_SOCKET
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxProtocol
 from nri_accel.ttrpc import CallContext, Code, Endpoint, TtrpcError
@@ -120,6 +113,16 @@ NOTIFICATIONS = frozenset({
 })
 
 
+class StubConfigError(ValueError):
+    """An invalid plugin identity, inherited fd or plugin object; `source` names the
+    flag, variable or setting it came from."""
+
+    def __init__(self, message: str, *, source: str) -> None:
+        self.message = message
+        self.source = source
+        super().__init__(f"{source}: {message}")
+
+
 def event_bit(event: int) -> int:
     return 1 << (event - 1)
 
@@ -153,7 +156,7 @@ def resolve_identity(
     """Name and index: from the arguments, else env NRI_PLUGIN_NAME / NRI_PLUGIN_IDX,
     else an argv[0] of the form NN-name, else the defaults (each part on its own).
 
-    Raises ConfigError naming the source of an invalid value.
+    Raises StubConfigError naming the source of an invalid value.
     """
     env = os.environ if env is None else env
     base = os.path.basename(argv0 or "")
@@ -168,10 +171,10 @@ def resolve_identity(
         (from_argv[1], "argv[0]"), (default_idx, "nri.idx"),
     )
     if not chosen_name or not _NAME_RE.match(chosen_name):
-        raise ConfigError(f"invalid plugin name {chosen_name!r}: use letters, digits and _.+-",
+        raise StubConfigError(f"invalid plugin name {chosen_name!r}: use letters, digits and _.+-",
                           source=name_src)
     if not chosen_idx or not _IDX_RE.match(chosen_idx):
-        raise ConfigError(f"invalid plugin index {chosen_idx!r}: two digits such as \"40\"",
+        raise StubConfigError(f"invalid plugin index {chosen_idx!r}: two digits such as \"40\"",
                           source=idx_src)
     return Identity(chosen_name, chosen_idx)
 
@@ -226,7 +229,7 @@ class Stub:
         self._handlers = _find_handlers(plugin)
         self.handled_events = _handled_mask(self._handlers)
         if not self.handled_events:
-            raise ConfigError(
+            raise StubConfigError(
                 f"{type(plugin).__name__} defines no event handler "
                 f"({', '.join(m for m, _ in _EVENT_HANDLERS)} or state_change)",
                 source="plugin",
@@ -247,7 +250,8 @@ class Stub:
         if not value:
             return None
         if not value.isdigit():
-            raise ConfigError(f"not a file descriptor number: {value!r}", source=ENV_PLUGIN_SOCKET)
+            raise StubConfigError(f"not a file descriptor number: {value!r}",
+                                  source=ENV_PLUGIN_SOCKET)
         return int(value)
 
     def install_signal_handlers(self) -> None:
@@ -639,19 +643,15 @@ def _container_stopped(updates: Any) -> bytes:
     return pb.StopContainerResponse(update=updates or ()).SerializeToString()
 
 
-# The status a refusal carries: the runtime quotes it ("rpc error: code = ... desc = ...")
-# in the error kubelet shows, so it says what kind of refusal it is.
-_REFUSAL_CODES: tuple[tuple[type[NriAccelError], Code], ...] = (
-    (PolicyError, Code.PERMISSION_DENIED),
-    (AllocationError, Code.RESOURCE_EXHAUSTED),
-    (RequestError, Code.INVALID_ARGUMENT),
-)
-
-
 def _as_ttrpc_error(exc: Exception, what: str) -> TtrpcError:
-    if not isinstance(exc, NriAccelError):  # a bug, not a refusal: keep the traceback
+    """The error answer for a handler's exception. A refusal says what kind it is in its
+    `status` attribute (a ttrpc Code name): the runtime quotes that code ("rpc error:
+    code = ... desc = ...") in the error kubelet shows. An exception without one is a
+    bug, not a refusal: answered UNKNOWN and logged with its traceback."""
+    code = Code.__members__.get(getattr(exc, "status", None) or "")
+    if code is None:
         log.error("handler_failed", rpc=what, exc_info=exc)
-    code = next((c for t, c in _REFUSAL_CODES if isinstance(exc, t)), Code.UNKNOWN)
+        code = Code.UNKNOWN
     return TtrpcError(code, str(exc) or type(exc).__name__)
 
 

@@ -44,8 +44,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fakes
 
     from fakes.roots import materialise
-
     from nri_accel.discover.nvidia import discover_nvidia
+
     from nri_accel.log import configure
 
     configure(level="warning", file=sys.stderr)

@@ -21,10 +21,10 @@ from types import MappingProxyType
 from bench_request import CUDA_ENV
 
 from nri_accel.config import Config, PolicyConfig
+from nri_accel.container import ContainerInfo
 from nri_accel.engine import Engine
 from nri_accel.inventory import Inventory
 from nri_accel.nri.adjust import build_adjustment
-from nri_accel.request import ContainerInfo
 
 DEMO = Path(__file__).resolve().parents[2] / "nri_accel" / "demo" / "inventory.json"
 

@@ -1,4 +1,4 @@
-"""Benchmark of parse_request: annotations and env to a Request, trust policy applied.
+"""Benchmark of Policy.request_for: annotations and env to a Request, trust policy applied.
 
 Run: .venv/bin/python tests/bench/bench_request.py [--calls N]
 Prints microseconds per call (median and best of several rounds) for typical containers;
@@ -15,8 +15,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from nri_accel.container import ContainerInfo
 from nri_accel.policy import Policy
-from nri_accel.request import ContainerInfo, parse_request
 
 BRANDS = ("tesla", "unknown", "nvidia", "nvidiartx", "geforce", "geforcertx", "quadro",
           "quadrortx", "titan", "titanrtx")
@@ -98,16 +98,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=5000)
     args = ap.parse_args()
-    print(f"parse_request, {args.calls} calls x 7 rounds, microseconds per call")
+    print(f"Policy.request_for, {args.calls} calls x 7 rounds, microseconds per call")
     print(f"{'case':52} {'median':>8} {'best':>8}")
     for name, info, policy in CASES:
-        med, best = measure(lambda _, i=info, p=policy: parse_request(i, p), args.calls)
+        med, best = measure(lambda _, i=info, p=policy: p.request_for(i), args.calls)
         print(f"{name:52} {med:8.1f} {best:8.1f}")
     calls = max(args.calls // 10, 1)
     for name, new_image in (("k8s: cold, new pod of a known image", False),
                             ("k8s: cold, new image", True)):
         infos = unseen(calls, 7, new_image=new_image)
-        med, best = measure(lambda i, infos=infos: parse_request(infos[i], Policy()), calls)
+        med, best = measure(lambda i, infos=infos: Policy().request_for(infos[i]), calls)
         print(f"{name:52} {med:8.1f} {best:8.1f}")
 
 

@@ -112,7 +112,8 @@ async def main_async(args: argparse.Namespace) -> None:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "nri_accel.cli", "run", "--socket", sock,
                  "--inventory", str(DEMO_INVENTORY), "--config", str(config),
-                 "--log-file", log_file], stdin=subprocess.DEVNULL)
+                 "--log-file", log_file, "--state-dir", f"{tmp}/state"],
+                stdin=subprocess.DEVNULL)
             try:
                 conn = await sim.wait_for_plugin(timeout=30)
                 ready = time.monotonic()

@@ -24,7 +24,9 @@ import pytest
 
 from nri_accel.config import Config, StaticDevice
 from nri_accel.deviceplugin.server import DevicePlugins
-from nri_accel.inventory import KIND_GPU, KIND_MIG, KIND_NEURON, Device, Inventory
+from nri_accel.inventory import Device, Inventory
+from nri_accel.vendors.neuron import KIND as KIND_NEURON
+from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG
 
 from .fake_kubelet import WAIT, FakeKubelet
 

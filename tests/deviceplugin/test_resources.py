@@ -7,6 +7,7 @@ from types import MappingProxyType
 import pytest
 
 from nri_accel.config import Config, DevicesConfig
+from nri_accel.container import ContainerInfo
 from nri_accel.deviceplugin.resources import (
     Resource,
     allocate,
@@ -15,10 +16,10 @@ from nri_accel.deviceplugin.resources import (
     resources_from_inventory,
 )
 from nri_accel.errors import AllocationError, RequestError
-from nri_accel.inventory import KIND_GPU, KIND_MIG, Device, Inventory
+from nri_accel.inventory import Device, Inventory
 from nri_accel.policy import Policy
-from nri_accel.request import ContainerInfo, parse_request
 from nri_accel.select import DeviceIndex, choose
+from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG
 
 from .conftest import GPU0, GPU1, GPU2, MIG_A, MIG_B, MIG_C, NODE_CONFIG, node_inventory
 
@@ -148,24 +149,23 @@ def test_grant_of_an_unknown_device_names_it_and_the_resource() -> None:
 
 def test_allocate_grant_is_a_trusted_grant_for_the_nri_side() -> None:
     # What kubelet copies from Allocate into the container's annotations is what
-    # request.parse_request takes as a trusted grant, even in an untrusted namespace.
+    # Policy.request_for takes as a trusted grant, even in an untrusted namespace.
     r = _by_name(resources_from_inventory(node_inventory(), NODE_CONFIG)[0])
     grant = allocate(r["nvidia.com/gpu"], [GPU0])
     info = ContainerInfo(namespace="default", pod_name="p", pod_uid="u",
                          container_name="c", container_id="id", pod_annotations={},
                          container_annotations=dict(grant.annotations), env=())
-    req = parse_request(info, Policy.from_config(Config()))
+    req = Policy.from_config(Config()).request_for(info)
     assert [(c.kind, c.ids) for c in req.grants] == [(KIND_GPU, (GPU0,))]
     assert req.grants[0].source.startswith("container annotation devices.nri-accel.io/resource.")
     # The same key written by the pod author (copied into the container by the runtime)
     # is not the device plugin's: refused.
     pod = dict(grant.annotations)
     with pytest.raises(RequestError, match=r"devices\.nri-accel\.io/resource"):
-        parse_request(
+        Policy.from_config(Config()).request_for(
             ContainerInfo(namespace="default", pod_name="p", pod_uid="u", container_name="c",
                           container_id="id", pod_annotations=pod,
-                          container_annotations=dict(grant.annotations), env=()),
-            Policy.from_config(Config()))
+                          container_annotations=dict(grant.annotations), env=()))
 
 
 # ---- preferred allocation -------------------------------------------------------------

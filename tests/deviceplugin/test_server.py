@@ -12,7 +12,8 @@ import pytest
 
 from nri_accel.config import Config, DevicesConfig
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
-from nri_accel.inventory import KIND_GPU, Inventory
+from nri_accel.inventory import Inventory
+from nri_accel.vendors.nvidia import KIND_GPU
 
 from .conftest import GPU0, GPU2, MIG_A, MIG_B, MIG_C, NODE_CONFIG, node_inventory
 from .fake_kubelet import WAIT, FakeKubelet

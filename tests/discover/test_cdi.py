@@ -12,25 +12,16 @@ import yaml
 from fakes.roots import materialise
 from hosttree import HostTree
 
-from nri_accel.discover.cdi import (
+from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Hook, Inventory, Mount
+from nri_accel.vendors.cdi.spec import (
     discover_cdi,
     generate_specs,
     min_version,
     render_spec,
     spec_file_name,
 )
-from nri_accel.discover.neuron import discover_neuron
-from nri_accel.inventory import (
-    KIND_GPU,
-    KIND_MIG,
-    ContainerEdits,
-    Device,
-    DeviceNode,
-    Driver,
-    Hook,
-    Inventory,
-    Mount,
-)
+from nri_accel.vendors.neuron import discover_neuron
+from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG
 
 DIRS = ("/etc/cdi", "/var/run/cdi")
 

@@ -10,20 +10,14 @@ import yaml
 from fakes.roots import materialise
 from hosttree import HostTree
 
-import nri_accel.discover as discovery
+from nri_accel.app import App
 from nri_accel.config import Config, DiscoveryConfig, StaticDevice
-from nri_accel.discover import assemble, discover, host_root, load_or_discover
+from nri_accel.discover import assemble, discover, host_root
 from nri_accel.discover.base import Found
-from nri_accel.inventory import (
-    KIND_GPU,
-    KIND_NEURON,
-    ContainerEdits,
-    Device,
-    DeviceNode,
-    Driver,
-    Inventory,
-    Problem,
-)
+from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Inventory, Problem
+from nri_accel.vendors import neuron
+from nri_accel.vendors.neuron import KIND as KIND_NEURON
+from nri_accel.vendors.nvidia import KIND_GPU
 
 
 def _dev(kind: str, name: str, *, origin: str = "", vendor: str = "") -> Device:
@@ -35,11 +29,11 @@ def _dev(kind: str, name: str, *, origin: str = "", vendor: str = "") -> Device:
 def test_native_kind_shadows_cdi_and_static_of_that_kind() -> None:
     cdi_driver = Driver(vendor="cdi:/etc/cdi/nvidia.yaml")
     inv = assemble([
-        ("nvidia", Found(devices=(_dev(KIND_GPU, "0", vendor="nvidia"),),
+        ("nvidia", True, Found(devices=(_dev(KIND_GPU, "0", vendor="nvidia"),),
                          drivers=(Driver(vendor="nvidia", version="550.54.15"),))),
-        ("neuron", Found()),
-        ("static", Found(devices=(_dev(KIND_GPU, "9", origin="config"),))),
-        ("cdi", Found(devices=(
+        ("neuron", True, Found()),
+        ("static", False, Found(devices=(_dev(KIND_GPU, "9", origin="config"),))),
+        ("cdi", False, Found(devices=(
             _dev(KIND_GPU, "0", origin="/etc/cdi/nvidia.yaml", vendor=cdi_driver.vendor),
             _dev(KIND_GPU, "GPU-1234", origin="/etc/cdi/nvidia.yaml", vendor=cdi_driver.vendor),
             _dev("amd.com/gpu", "0", origin="/etc/cdi/amd.json"),
@@ -58,8 +52,8 @@ def test_native_kind_shadows_cdi_and_static_of_that_kind() -> None:
 
 def test_without_native_devices_cdi_serves_the_kind() -> None:
     inv = assemble([
-        ("nvidia", Found(problems=(Problem("nvidia", "NVML not found"),))),
-        ("cdi", Found(devices=(_dev(KIND_GPU, "0", origin="/etc/cdi/nvidia.yaml"),))),
+        ("nvidia", True, Found(problems=(Problem("nvidia", "NVML not found"),))),
+        ("cdi", False, Found(devices=(_dev(KIND_GPU, "0", origin="/etc/cdi/nvidia.yaml"),))),
     ])
     assert [d.qualified_name for d in inv.devices] == ["nvidia.com/gpu=0"]
     assert [p.source for p in inv.problems] == ["nvidia"]
@@ -67,8 +61,8 @@ def test_without_native_devices_cdi_serves_the_kind() -> None:
 
 def test_static_wins_over_cdi_for_the_same_name() -> None:
     inv = assemble([
-        ("static", Found(devices=(_dev("acme.example/npu", "0", origin="config"),))),
-        ("cdi", Found(devices=(_dev("acme.example/npu", "0", origin="/etc/cdi/acme.yaml"),
+        ("static", False, Found(devices=(_dev("acme.example/npu", "0", origin="config"),))),
+        ("cdi", False, Found(devices=(_dev("acme.example/npu", "0", origin="/etc/cdi/acme.yaml"),
                                _dev("acme.example/npu", "1", origin="/etc/cdi/acme.yaml")))),
     ])
     assert [d.edits.env for d in inv.devices] == [("FROM=config",), ("FROM=/etc/cdi/acme.yaml",)]
@@ -79,7 +73,8 @@ def test_static_wins_over_cdi_for_the_same_name() -> None:
 
 def test_identical_problems_are_reported_once() -> None:
     p = Problem("/dev/char/195:0", "missing")
-    inv = assemble([("nvidia", Found(problems=(p, p))), ("neuron", Found(problems=(p,)))])
+    inv = assemble([("nvidia", True, Found(problems=(p, p))),
+                    ("neuron", True, Found(problems=(p,)))])
     assert inv.problems == (p,)
 
 
@@ -98,10 +93,10 @@ def _node(tmp_path: Path) -> HostTree:
 
 def test_a_failing_discoverer_is_a_problem_and_the_others_still_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(root: object) -> Found:
+    def broken(self: object, root: object, config: object) -> Found:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(discovery, "discover_neuron", broken)
+    monkeypatch.setattr(neuron.NeuronProfile, "discover", broken)
     inv = discover(_node(tmp_path).root, Config())
     assert [d.qualified_name for d in inv.devices] == ["acme.example/npu=npu0"]
     assert Problem("neuron", "discovery failed: RuntimeError: boom") in inv.problems
@@ -123,12 +118,12 @@ def test_discover_uses_every_source_and_the_configured_spec_dirs(tmp_path: Path)
     assert [d.kind for d in discover(tree.root, config).devices] == [KIND_NEURON]
 
 
-def test_load_or_discover_reads_a_saved_inventory_or_discovers(tmp_path: Path) -> None:
+def test_the_app_reads_a_saved_inventory_or_discovers(tmp_path: Path) -> None:
     tree = _node(tmp_path)
-    live = load_or_discover(None, str(tree.base), Config())
+    live = App(Config(), root_dir=str(tree.base)).load_inventory()
     saved = tmp_path / "node.json"
     saved.write_text(live.to_json())
-    assert load_or_discover(str(saved), None, Config()) == live
+    assert App(Config(), inventory_path=str(saved)).load_inventory() == live
     assert len(live.devices) == 2
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 from fakes.roots import materialise
 from hosttree import HostTree
 
-from nri_accel.discover.neuron import discover_neuron
-from nri_accel.inventory import KIND_NEURON, DeviceNode
+from nri_accel.inventory import DeviceNode
+from nri_accel.vendors.neuron import KIND as KIND_NEURON
+from nri_accel.vendors.neuron import discover_neuron
 
 SYSFS = "/sys/class/neuron_device"
 

@@ -13,8 +13,9 @@ from fakes.roots import ROOTS_DIR
 
 from nri_accel.discover.base import Found
 from nri_accel.discover.hostroot import HostRoot
-from nri_accel.discover.nvidia import discover_nvidia, normalise_pci_bus_id
-from nri_accel.inventory import KIND_GPU, KIND_MIG, Device, Driver, Inventory
+from nri_accel.inventory import Device, Driver, Inventory
+from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG
+from nri_accel.vendors.nvidia.discover import discover_nvidia, normalise_pci_bus_id
 
 FakeRoot = Callable[[str], HostRoot]
 LIB = "/usr/local/nvidia/lib64"

@@ -13,7 +13,7 @@ from fakes.roots import FakeRootError, materialise
 
 from nri_accel.discover.elf import read_elf
 from nri_accel.discover.ldcache import parse_ld_so_cache
-from nri_accel.discover.nvidia import discover_nvidia
+from nri_accel.vendors.nvidia.discover import discover_nvidia
 
 
 def test_materialise_creates_nodes_links_sockets_and_the_fake_library(tmp_path: Path) -> None:

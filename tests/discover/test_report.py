@@ -17,9 +17,9 @@ from fakes.roots import materialise, names
 from nri_accel.cli import main as cli_main
 from nri_accel.config import Config, load_config
 from nri_accel.discover import discover
-from nri_accel.discover.cdi import discover_cdi
 from nri_accel.discover.report import render_table
 from nri_accel.inventory import ContainerEdits, Device, Driver, Inventory, Problem
+from nri_accel.vendors.cdi.spec import discover_cdi
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "discover"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
@@ -110,4 +110,4 @@ def test_cdi_generate_without_devices_fails_with_a_reason(
     materialise("cdi-only", tmp_path / "node")
     assert cli_main(["cdi", "generate", "--root", str(tmp_path / "node")]) == 1
     err = capsys.readouterr().err
-    assert "no NVIDIA or Neuron devices: no CDI spec to write" in err
+    assert "no devices of a native family (NVIDIA, Neuron, ...): no CDI spec to write" in err

@@ -7,8 +7,8 @@ from pathlib import Path
 from hosttree import HostTree
 
 from nri_accel.config import StaticDevice, parse_config
-from nri_accel.discover.static import discover_static
 from nri_accel.inventory import DeviceNode
+from nri_accel.vendors.cdi.static import discover_static
 
 
 def _tree(tmp_path: Path) -> HostTree:

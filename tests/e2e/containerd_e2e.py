@@ -578,7 +578,8 @@ class Plugin:
         self.proc = subprocess.Popen(
             [str(exe), "run", "--socket", str(self.socket), "--name", PLUGIN_NAME,
              "--idx", PLUGIN_IDX, "--inventory", str(self.inventory),
-             "--config", str(self.config), "--log-file", str(self.log_path)],
+             "--config", str(self.config), "--log-file", str(self.log_path),
+             "--state-dir", str(self.log_path.parent / "state")],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._stderr(),
             env=env)
 

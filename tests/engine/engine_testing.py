@@ -5,7 +5,9 @@ PCIe on 2 NUMA nodes, NVLink bridges pairing 0-1, 2-3, 4-5, GPU 7 in MIG mode wi
 MIG devices). `neuron_inventory` stands for a small trn1-style node: 4 Neuron devices of
 2 NeuronCores each on a NeuronLink ring. `cdi_inventory` stands for a node whose only
 accelerators come from a vendor's CDI spec (acme.example/npu). `container()` builds the
-ContainerInfo that nri/convert.py would build from NRI's CreateContainer request.
+ContainerInfo that nri/convert.py would build from NRI's CreateContainer request (each
+container id its own container name unless given: one pod's containers have distinct
+names, and a new create of the same pod and name replaces the earlier grant).
 """
 
 from __future__ import annotations
@@ -19,20 +21,19 @@ from types import MappingProxyType
 import structlog
 from demo_node import DEMO_INVENTORY as DEMO_INVENTORY  # re-exported: tests/demo_node.py
 from demo_node import demo_inventory as demo_inventory
+from grants import admit as admit  # re-exported: tests/grants.py
+from grants import held as held
 
 from nri_accel.config import Config, DevicesConfig, PolicyConfig
-from nri_accel.inventory import (
-    KIND_NEURON,
-    ContainerEdits,
-    Device,
-    DeviceNode,
-    Driver,
-    Hook,
-    Inventory,
-    Mount,
-)
+from nri_accel.container import ContainerInfo
+from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Hook, Inventory, Mount
 from nri_accel.log import configure
-from nri_accel.request import ContainerInfo
+from nri_accel.policy import Request
+from nri_accel.select import Selection
+from nri_accel.syntax import DeviceClaim
+from nri_accel.vendors.neuron import KIND as KIND_NEURON
+from nri_accel.vendors.nvidia import DEFAULT_CAPABILITIES, DEFAULT_OPTIONS, Options
+from nri_accel.vendors.nvidia.requirements import Requirements
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_DIR = REPO / "nri_accel" / "demo"
@@ -60,7 +61,7 @@ def kubernetes(*trusted: str, devices: DevicesConfig | None = None) -> Config:
                   devices=devices or DevicesConfig())
 
 
-def container(*, namespace: str = "default", pod: str = "pod", name: str = "main",
+def container(*, namespace: str = "default", pod: str = "pod", name: str = "",
               cid: str = "c1", pod_annotations: dict[str, str] | None = None,
               annotations: dict[str, str] | None = None, env: tuple[str, ...] = (),
               device_paths: frozenset[str] = frozenset(),
@@ -69,7 +70,7 @@ def container(*, namespace: str = "default", pod: str = "pod", name: str = "main
         namespace=namespace,
         pod_name=pod,
         pod_uid=f"uid-{pod}",
-        container_name=name,
+        container_name=name or f"main-{cid}",
         container_id=cid,
         pod_annotations=MappingProxyType(pod_annotations or {}),
         container_annotations=MappingProxyType(annotations or {}),
@@ -122,14 +123,41 @@ LOG_SINK = io.StringIO()
 
 @contextlib.contextmanager
 def cli_logs_to_sink(monkeypatch) -> Iterator[None]:  # type: ignore[no-untyped-def]
-    import nri_accel.explain
+    import nri_accel.log
 
-    def setup(config: Config) -> None:
+    def setup(level: str = "info", fmt: str = "auto", file: object = None) -> None:
         configure(level="warning", fmt="json", file=LOG_SINK)
 
-    monkeypatch.setattr(nri_accel.explain, "setup_cli_logging", setup)
+    monkeypatch.setattr(nri_accel.log, "configure", setup)
     saved = structlog.get_config()
     try:
         yield
     finally:
         structlog.configure(**saved)
+
+
+def request(*, grants: tuple[DeviceClaim, ...] = (), limits: tuple[DeviceClaim, ...] = (),
+            nvidia_none: bool = False, capabilities: frozenset[str] | None = None,
+            requirements: Requirements | None = None, mig_config: bool = False,
+            mig_monitor: bool = False, cdi_names: tuple[str, ...] = ()) -> Request:
+    """The Request the policy would hand on, its NVIDIA settings given by keyword."""
+    options = Options(capabilities=capabilities or DEFAULT_CAPABILITIES,
+                      capabilities_source="test" if capabilities else "",
+                      requirements=requirements, mig_config=mig_config,
+                      mig_monitor=mig_monitor)
+    return Request(grants=grants, limits=limits,
+                   drivers_only=frozenset({"nvidia.com"}) if nvidia_none else frozenset(),
+                   options=(("nvidia", options),) if options != DEFAULT_OPTIONS else (),
+                   cdi_names=cdi_names)
+
+
+def held_names(selection: Selection) -> frozenset[str]:
+    """Qualified names of what a selection holds exclusively."""
+    return frozenset(d.qualified_name for d in (*selection.devices, *selection.passthrough)
+                     if d.key in selection.exclusive)
+
+
+def keys(inventory: Inventory, *qualified: str) -> frozenset[str]:
+    """The holdings keys (Device.key) of devices named by qualified name."""
+    by_name = {d.qualified_name: d.key for d in inventory.devices}
+    return frozenset(by_name[q] for q in qualified)

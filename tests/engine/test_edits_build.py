@@ -6,25 +6,24 @@ import dataclasses
 from types import MappingProxyType
 
 import pytest
-from engine_testing import GPU_UUIDS, MIG_UUIDS, cdi_inventory, demo_inventory, neuron_inventory
+from engine_testing import (
+    GPU_UUIDS,
+    MIG_UUIDS,
+    cdi_inventory,
+    demo_inventory,
+    neuron_inventory,
+    request,
+)
 
 from nri_accel.config import DevicesConfig
 from nri_accel.edits import HOOK_ENV, build, check_edits, compile_catalog
 from nri_accel.errors import AllocationError
-from nri_accel.inventory import (
-    KIND_GPU,
-    KIND_MIG,
-    KIND_NEURON,
-    ContainerEdits,
-    Device,
-    DeviceNode,
-    Driver,
-    Hook,
-    Inventory,
-    Mount,
-)
-from nri_accel.request import ALL_CAPABILITIES, DeviceClaim, Request
+from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Hook, Inventory, Mount
+from nri_accel.policy import Request
 from nri_accel.select import DeviceIndex, select
+from nri_accel.syntax import DeviceClaim
+from nri_accel.vendors.neuron import KIND as KIND_NEURON
+from nri_accel.vendors.nvidia import ALL_CAPABILITIES, KIND_GPU, KIND_MIG
 
 SRC = "container annotation devices.nri-accel.io"
 LIB64 = "/usr/local/nvidia/lib64"
@@ -33,11 +32,12 @@ LIB64 = "/usr/local/nvidia/lib64"
 def edits_for(inventory: Inventory, request: Request, *, devices: DevicesConfig | None = None,
               **kw):
     sel = select(request, DeviceIndex(inventory))
-    return build(sel, request, compile_catalog(inventory, devices or DevicesConfig()), **kw)
+    built = build(sel, request, compile_catalog(inventory, devices or DevicesConfig()), **kw)
+    return built.edits, built.notes
 
 
 def gpu_ids(*idents: str, kind: str = KIND_GPU, **kw) -> Request:
-    return Request(grants=(DeviceClaim(kind, ids=idents, source=SRC),), **kw)
+    return request(grants=(DeviceClaim(kind, ids=idents, source=SRC),), **kw)
 
 
 def env_of(edits: ContainerEdits) -> dict[str, str]:
@@ -107,7 +107,7 @@ def test_gsp_firmware_comes_with_every_capability(caps):
 
 
 def test_nvidia_none_gets_the_driver_without_a_gpu():
-    edits, _ = edits_for(demo_inventory(), Request(nvidia_none=True))
+    edits, _ = edits_for(demo_inventory(), request(nvidia_none=True))
     paths = [n.path for n in edits.device_nodes]
     assert "/dev/nvidiactl" in paths
     assert not any(p.startswith("/dev/nvidia") and p[-1].isdigit() for p in paths)
@@ -115,14 +115,14 @@ def test_nvidia_none_gets_the_driver_without_a_gpu():
 
 
 def test_no_device_no_edits():
-    edits, notes = edits_for(demo_inventory(), Request())
+    edits, notes = edits_for(demo_inventory(), request())
     assert edits == ContainerEdits()
     assert notes == ()
 
 
 def test_mig_config_and_monitor_caps():
     inv = demo_inventory()
-    req = Request(grants=(DeviceClaim(KIND_GPU, all=True, source=SRC),), mig_config=True,
+    req = request(grants=(DeviceClaim(KIND_GPU, all=True, source=SRC),), mig_config=True,
                   mig_monitor=True)
     paths = {n.path for n in edits_for(inv, req)[0].device_nodes}
     assert {"/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2"} <= paths
@@ -218,7 +218,7 @@ def test_nodes_and_mounts_already_in_the_spec_are_not_emitted_again():
 
 def test_output_is_deterministic_and_deduplicated():
     inv = demo_inventory()
-    req = Request(grants=(DeviceClaim(KIND_GPU, ids=("3", "1"), source=SRC),
+    req = request(grants=(DeviceClaim(KIND_GPU, ids=("3", "1"), source=SRC),
                           DeviceClaim(KIND_GPU, ids=("1",), source="other")))
     first = edits_for(inv, req)
     assert all(edits_for(inv, req) == first for _ in range(3))

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from engine_testing import DEMO_CONFIG, DEMO_INVENTORY, DEMO_PODS, REPO, cli_logs_to_sink
+from engine_testing import (
+    DEMO_CONFIG,
+    DEMO_INVENTORY,
+    DEMO_PODS,
+    REPO,
+    cli_logs_to_sink,
+    demo_inventory,
+)
 from fakes.roots import materialise
 
 from nri_accel.cli import main
@@ -92,7 +99,7 @@ def test_whole_demo_file_hands_counted_devices_out_once(capsys):
     _, out, _ = explain(capsys, DEMO_PODS, "--json")
     doc = json.loads(out)
     granted = [doc[k]["annotations"]["nri-accel.io/granted"] for k in
-               ("cuda-one/main", "train-two/trainer", "mig-inference/server")]
+               ("ml/cuda-one/main", "research/train-two/trainer", "ml/mig-inference/server")]
     names = [n for g in granted for n in g.split(",")]
     assert len(names) == len(set(names)) == 4
 
@@ -135,16 +142,25 @@ def test_container_flag_picks_one_and_json_is_the_bare_adjustment(capsys, tmp_pa
     rc, out, _ = explain(capsys, write(tmp_path, POD_TWO), "--container", "app", "--json")
     assert rc == 0
     doc = json.loads(out)
-    assert doc["annotations"] == {"nri-accel.io/granted": "nvidia.com/gpu=1"}
+    gpu1 = demo_inventory().find("nvidia.com/gpu", "1")
+    assert doc["annotations"] == {"nri-accel.io/granted": f"nvidia.com/gpu={gpu1.uuid}"}
     env = {e["key"]: e["value"] for e in doc["env"]}
     assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
     assert "/dev/nvidia1" in [d["path"] for d in doc["linux"]["devices"]]
 
 
-def test_several_containers_json_is_keyed_by_pod_and_container(capsys, tmp_path):
+def test_several_containers_json_is_keyed_by_namespace_pod_and_container(capsys, tmp_path):
     rc, out, _ = explain(capsys, write(tmp_path, POD_TWO), "--json")
     assert rc == 0
-    assert sorted(json.loads(out)) == ["two/app", "two/init"]
+    assert sorted(json.loads(out)) == ["research/two/app", "research/two/init"]
+
+
+def test_pods_of_one_name_in_two_namespaces_stay_apart(capsys, tmp_path):
+    pods = POD_TWO + "---\n" + POD_TWO.replace("namespace: research", "namespace: other")
+    rc, out, _ = explain(capsys, write(tmp_path, pods), "--json")
+    assert rc == 0
+    assert sorted(json.loads(out)) == ["other/two/app", "other/two/init",
+                                       "research/two/app", "research/two/init"]
 
 
 def test_unknown_container_is_a_usage_error(capsys, tmp_path):
@@ -220,11 +236,11 @@ spec:
     out, err = capsys.readouterr()
     assert (rc, err) == (0, "")
     doc = json.loads(out)
-    env = {e["key"]: e["value"] for e in doc["neuron/train"]["env"]}
+    env = {e["key"]: e["value"] for e in doc["research/neuron/train"]["env"]}
     assert env == {"AWS_NEURON_VISIBLE_DEVICES": "2,3", "NEURON_RT_VISIBLE_CORES": "4-7"}
-    assert [d["path"] for d in doc["neuron/train"]["linux"]["devices"]] == [
+    assert [d["path"] for d in doc["research/neuron/train"]["linux"]["devices"]] == [
         "/dev/neuron2", "/dev/neuron3"]
     # The device-plugin container gets two by count, never the ones "train" holds.
-    picked = doc["neuron/plugin"]["annotations"]["nri-accel.io/granted"].split(",")
+    picked = doc["research/neuron/plugin"]["annotations"]["nri-accel.io/granted"].split(",")
     assert len(picked) == 2 and not {"aws.amazon.com/neuron=2", "aws.amazon.com/neuron=3"} & set(
         picked)

@@ -47,9 +47,35 @@ def test_live_containers_skip_stopped_ones() -> None:
     created = make_container(pod, {"name": "b", "state": "CONTAINER_CREATED"})
     stopped = make_container(pod, {"name": "c", "state": "CONTAINER_STOPPED",
                                    "annotations": {"nri-accel.io/granted": "nvidia.com/gpu=1"}})
-    live = dict(convert.live_containers([running, created, stopped]))
+    live = {c.container_id: c for c in convert.live_containers(
+        [running, created, stopped], [pod], ["nri-accel.io/granted"])}
     assert set(live) == {running.id, created.id}
-    assert live[running.id] == {"nri-accel.io/granted": "nvidia.com/gpu=0"}
+    assert live[running.id].container_annotations == {"nri-accel.io/granted": "nvidia.com/gpu=0"}
+    assert live[running.id].label == "default/p/a"
+    assert live[running.id].pod_uid == pod.uid and live[running.id].pod_id == pod.id
+
+
+def test_live_containers_keep_only_the_keys_asked_for() -> None:
+    pod = make_pod({"name": "p", "annotations": {"nri-accel.io/granted": "x.io/y=1",
+                                                 "big": "x" * 1000}})
+    ctr = make_container(pod, {"name": "a", "annotations": {"nri-accel.io/granted": "x.io/y=2",
+                                                            "other": "y" * 1000}})
+    (live,) = convert.live_containers([ctr], [pod], ["nri-accel.io/granted"])
+    assert live.container_annotations == {"nri-accel.io/granted": "x.io/y=2"}
+    assert live.pod_annotations == {"nri-accel.io/granted": "x.io/y=1"}
+
+
+def test_a_container_without_a_name_is_named_from_cri_o_metadata() -> None:
+    # CRI-O 1.36.3 (crio-1.36.3-lifecycle capture): a container created without kubelet's
+    # labels has no NRI name; CRI-O's own metadata annotation holds its CRI name.
+    pod = make_pod({"name": "p"})
+    ctr = make_container(pod, {"annotations": {"io.kubernetes.cri-o.Metadata":
+                                               '{"name":"ctr-b"}'}})
+    assert ctr.name == ""
+    assert convert.container_info(pod, ctr).container_name == "ctr-b"
+    for junk in ("", "not json", '["x"]', '{"name": 3}', '{"name":"' + "x" * 5000 + '"}'):
+        ctr = make_container(pod, {"annotations": {"io.kubernetes.cri-o.Metadata": junk}})
+        assert convert.container_info(pod, ctr).container_name == ""
 
 
 def test_make_pod_gives_stable_ids() -> None:

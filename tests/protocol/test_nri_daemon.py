@@ -19,15 +19,7 @@ from typing import Any
 
 import pytest
 
-from nri_accel.inventory import (
-    KIND_GPU,
-    ContainerEdits,
-    Device,
-    DeviceNode,
-    Driver,
-    Inventory,
-    Mount,
-)
+from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Inventory, Mount
 from nri_accel.nri import mux
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import (
@@ -39,6 +31,7 @@ from nri_accel.nri.simulator import (
 )
 from nri_accel.nri.stub import PLUGIN_SERVICE
 from nri_accel.ttrpc import Code, Frame, FrameDecoder, FrameType, encode_frame, ttrpc_pb2
+from nri_accel.vendors.nvidia import KIND_GPU
 
 GPUS = 4
 
@@ -64,12 +57,14 @@ def daemon_files(short_dir: Path) -> dict[str, str]:
     config = short_dir / "config.toml"
     config.write_text('[policy]\nmode = "standalone"\n[log]\nlevel = "debug"\n')
     return {"inventory": str(inventory), "config": str(config),
-            "log": str(short_dir / "daemon.log"), "socket": str(short_dir / "nri.sock")}
+            "log": str(short_dir / "daemon.log"), "socket": str(short_dir / "nri.sock"),
+            "state": str(short_dir / "state")}
 
 
 def run_args(files: dict[str, str], *extra: str) -> list[str]:
     return [sys.executable, "-m", "nri_accel.cli", "run", "--inventory", files["inventory"],
-            "--config", files["config"], "--log-file", files["log"], *extra]
+            "--config", files["config"], "--log-file", files["log"],
+            "--state-dir", files["state"], *extra]
 
 
 def start_daemon(files: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
@@ -94,6 +89,11 @@ def gpu_request(pod_name: str, value: str) -> tuple[pb.PodSandbox, pb.Container]
     return pod, make_container(pod, {"name": "main", "env": ["PATH=/usr/bin"]})
 
 
+def key(i: int) -> str:
+    """The grant record's name of GPU i (nri_accel.inventory.Device.key)."""
+    return f"{KIND_GPU}={_inventory().devices[i].uuid}"
+
+
 def running_with(sim: Simulator, pod_name: str, granted: str) -> None:
     """A running container the plugin granted `granted` before it restarted."""
     pod = make_pod({"name": pod_name, "namespace": "ml"})
@@ -106,8 +106,8 @@ async def test_daemon_registers_synchronises_thousands_and_answers(
     daemon_files: dict[str, str],
 ) -> None:
     async with Simulator(daemon_files["socket"], configure_first=True) as sim:
-        running_with(sim, "holder-a", "nvidia.com/gpu=0")
-        running_with(sim, "holder-b", "nvidia.com/gpu=1")
+        running_with(sim, "holder-a", key(0))
+        running_with(sim, "holder-b", key(1))
         filler = make_pod({"name": "filler", "namespace": "batch"})
         sim.pods[filler.id] = filler
         template = make_container(filler, {"name": "c", "state": "CONTAINER_RUNNING",
@@ -122,14 +122,14 @@ async def test_daemon_registers_synchronises_thousands_and_answers(
             conn = await sim.wait_for_plugin("nri-accel", timeout=20)
             assert conn.idx == "40" and sim.sync_splits >= 1
             assert conn.events == sum(1 << (e - 1) for e in (
-                pb.CREATE_CONTAINER, pb.STOP_CONTAINER, pb.REMOVE_CONTAINER))
+                pb.STOP_POD_SANDBOX, pb.REMOVE_POD_SANDBOX, pb.CREATE_CONTAINER,
+                pb.STOP_CONTAINER, pb.REMOVE_CONTAINER))
 
             pod, ctr = gpu_request("trainer", "nvidia.com/gpu: 2")
             rsp = await sim.create_container(pod, ctr)
             paths = sorted(d.path for d in rsp.adjust.linux.devices)
             assert paths == ["/dev/nvidia2", "/dev/nvidia3", "/dev/nvidiactl"]
-            assert rsp.adjust.annotations["nri-accel.io/granted"] == (
-                "nvidia.com/gpu=2,nvidia.com/gpu=3")
+            assert rsp.adjust.annotations["nri-accel.io/granted"] == f"{key(2)},{key(3)}"
             assert [m.destination for m in rsp.adjust.mounts] == ["/usr/bin/nvidia-smi"]
 
             pod2, ctr2 = gpu_request("late", "nvidia.com/gpu: 1")
@@ -142,7 +142,7 @@ async def test_daemon_registers_synchronises_thousands_and_answers(
 
             await sim.stop_container(pod, ctr)  # releases GPUs 2 and 3
             rsp = await sim.create_container(pod2, ctr2)
-            assert rsp.adjust.annotations["nri-accel.io/granted"] == "nvidia.com/gpu=2"
+            assert rsp.adjust.annotations["nri-accel.io/granted"] == key(2)
         finally:
             assert stop(proc) == 0
 
@@ -152,7 +152,7 @@ async def test_daemon_registers_synchronises_thousands_and_answers(
     assert [(e["namespace"], e["pod"], e["container"], e["devices"]) for e in created] == [
         ("ml", "trainer", "main", ["nvidia.com/gpu=2", "nvidia.com/gpu=3"]),
         ("ml", "late", "main", ["nvidia.com/gpu=2"])]
-    assert created[0]["capabilities"] == ["compute", "utility"]
+    assert created[0]["capabilities"] == "compute,utility"
     assert all(isinstance(e["duration_us"], int) for e in created + refused_lines)
     assert [(e["pod"], e["source"]) for e in refused_lines] == [
         ("late", "annotation devices.nri-accel.io/container.main")]

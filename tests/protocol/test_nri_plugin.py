@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -11,14 +11,16 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from nri_accel import plugin as plugin_mod
+from nri_accel import log
+from nri_accel.container import ContainerInfo
 from nri_accel.errors import NriAccelError, PolicyError
-from nri_accel.inventory import KIND_GPU, ContainerEdits, Device, DeviceNode
+from nri_accel.inventory import ContainerEdits, Device, DeviceNode
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import LEGACY_EVENTS, Simulator, make_container, make_pod
 from nri_accel.nri.stub import Identity, Stub, event_bit
 from nri_accel.plugin import AccelPlugin
-from nri_accel.request import ContainerInfo
+from nri_accel.state import Grant
+from nri_accel.vendors.nvidia import KIND_GPU
 
 GPU0 = Device(kind=KIND_GPU, name="0", edits=ContainerEdits(
     device_nodes=(DeviceNode("/dev/nvidia0", 195, 0),)))
@@ -28,10 +30,14 @@ class FakePlan:
     """Stands in for engine.Plan: the fields AccelPlugin reads."""
 
     devices = (GPU0,)
-    capabilities = frozenset({"utility", "compute"})
+    facts = (("capabilities", "compute,utility"),)
     edits = GPU0.edits
+    unset_env = ()
     annotations = MappingProxyType({"nri-accel.io/granted": "nvidia.com/gpu=0"})
     cdi_devices = ()
+    grant = Grant("c", exclusive=frozenset({"nvidia.com/gpu=0"}))
+    granted_by = MappingProxyType({"nvidia.com/gpu=0": "container annotation "
+                                                       "devices.nri-accel.io"})
     notes = ("env NVIDIA_VISIBLE_DEVICES=all not granted: namespace 'ml' is not trusted",)
 
 
@@ -41,8 +47,9 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.infos: list[ContainerInfo] = []
+        self.committed: list[Any] = []
         self.released: list[str] = []
-        self.restored: list[tuple[str, Mapping[str, str]]] = []
+        self.restored: list[ContainerInfo] = []
 
     def plan(self, info: ContainerInfo) -> Any:
         self.infos.append(info)
@@ -53,10 +60,17 @@ class FakeEngine:
             raise ZeroDivisionError("division by zero")
         return FakePlan()
 
+    def commit(self, plan: Any) -> None:
+        self.committed.append(plan)
+
     def release(self, container_id: str) -> None:
         self.released.append(container_id)
 
-    def restore(self, containers: Iterable[tuple[str, Mapping[str, str]]]) -> None:
+    def release_pod(self, pod_uid: str, pod_id: str) -> tuple[Grant, ...]:
+        self.released.append(f"pod {pod_uid}")
+        return ()
+
+    def restore(self, containers: Iterable[ContainerInfo]) -> None:
         self.restored = list(containers)
 
 
@@ -78,7 +92,9 @@ def test_create_container_plans_builds_and_logs_one_canonical_line() -> None:
     assert line["event"] == "container_created" and line["log_level"] == "info"
     assert (line["namespace"], line["pod"], line["container"]) == ("ml", "pod0", "main")
     assert line["devices"] == ["nvidia.com/gpu=0"]
-    assert line["capabilities"] == ["compute", "utility"]
+    assert line["granted_by"] == {"nvidia.com/gpu=0": "container annotation devices.nri-accel.io"}
+    assert line["capabilities"] == "compute,utility"
+    assert len(engine.committed) == 1
     assert line["notes"] == list(FakePlan.notes)
     assert isinstance(line["duration_us"], int) and line["duration_us"] >= 0
 
@@ -109,10 +125,12 @@ def test_stop_and_remove_release_and_synchronize_restores_live_containers() -> N
                                    "annotations": {"nri-accel.io/granted": "nvidia.com/gpu=0"}})
     stopped = make_container(POD, {"name": "b", "state": "CONTAINER_STOPPED"})
     accel.synchronize([POD], [running, stopped])
-    assert engine.restored == [(running.id, {"nri-accel.io/granted": "nvidia.com/gpu=0"})]
+    assert [(c.container_id, dict(c.container_annotations)) for c in engine.restored] == [
+        (running.id, {"nri-accel.io/granted": "nvidia.com/gpu=0"})]
     accel.stop_container(POD, running)
     accel.remove_container(POD, running)
-    assert engine.released == [running.id, running.id]
+    accel.remove_pod_sandbox(POD)
+    assert engine.released == [running.id, running.id, f"pod {POD.uid}"]
 
 
 DROP_IN = '[policy]\nmode = "standalone"\n'
@@ -144,7 +162,8 @@ async def test_containerd_1_7_accepts_the_subscription_and_configure_reports_its
             conn = await sim.wait_for_plugin("nri-accel")
             stub.stop()
             assert await task == 0
-    assert conn.events == (event_bit(pb.CREATE_CONTAINER) | event_bit(pb.STOP_CONTAINER)
+    assert conn.events == (event_bit(pb.STOP_POD_SANDBOX) | event_bit(pb.REMOVE_POD_SANDBOX)
+                           | event_bit(pb.CREATE_CONTAINER) | event_bit(pb.STOP_CONTAINER)
                            | event_bit(pb.REMOVE_CONTAINER))
     assert not sim.dropped
     assert [line["size"] for line in logs
@@ -154,14 +173,28 @@ async def test_containerd_1_7_accepts_the_subscription_and_configure_reports_its
 def test_logs_go_to_stderr_or_the_given_file_or_the_preregistered_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert plugin_mod._log_destination(None, preregistered=False) is None
+    assert log.open_log_file(None, preregistered=False) is None
     given = tmp_path / "given.log"
-    with plugin_mod._log_destination(str(given), preregistered=False) as f:  # type: ignore[union-attr]
-        assert f.name == str(given)
+    f = log.open_log_file(str(given), preregistered=False)
+    assert f is not None and f.path == str(given)  # type: ignore[attr-defined]
+    f.close()
     default = tmp_path / "default.log"
-    monkeypatch.setattr(plugin_mod, "DEFAULT_PREREGISTERED_LOG", str(default))
-    with plugin_mod._log_destination(None, preregistered=True) as f:  # type: ignore[union-attr]
-        assert f.name == str(default)
+    monkeypatch.setattr(log, "DEFAULT_PREREGISTERED_LOG", str(default))
+    f = log.open_log_file(None, preregistered=True)
+    assert f is not None and f.path == str(default)  # type: ignore[attr-defined]
+    f.close()
     missing = tmp_path / "no" / "such" / "dir.log"
-    assert plugin_mod._log_destination(str(missing), preregistered=True) is None
+    assert log.open_log_file(str(missing), preregistered=True) is None
     assert f"cannot open log file {missing}" in capsys.readouterr().err
+
+
+def test_the_log_file_rotates_at_its_size_bound(tmp_path: Path) -> None:
+    path = tmp_path / "nri-accel.log"
+    f = log.RotatingFile(str(path), max_bytes=100)
+    for i in range(10):
+        f.write(f"line {i} " + "x" * 30 + "\n")
+    f.close()
+    assert path.stat().st_size <= 100
+    assert (tmp_path / "nri-accel.log.1").stat().st_size <= 100
+    assert "line 9" in path.read_text()
+    assert not (tmp_path / "nri-accel.log.2").exists()  # one older file kept, no more

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from nri_accel.errors import ConfigError, PolicyError, RequestError
+from nri_accel.errors import PolicyError, RequestError
 from nri_accel.inventory import ContainerEdits, DeviceNode
 from nri_accel.nri import adjust
 from nri_accel.nri import nri_pb2 as pb
@@ -28,6 +28,7 @@ from nri_accel.nri.stub import (
     VALID_EVENTS,
     Identity,
     Stub,
+    StubConfigError,
     backoff_delays,
     event_bit,
     resolve_identity,
@@ -95,7 +96,7 @@ def test_identity_precedence_flags_env_argv0_defaults() -> None:
 ])
 def test_invalid_identity_names_its_source(kwargs: dict[str, Any], source: str) -> None:
     kwargs.setdefault("env", {})
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(StubConfigError) as info:
         resolve_identity(argv0="nri-accel", **kwargs)
     assert info.value.source == source
 
@@ -118,7 +119,7 @@ def test_event_mask_follows_the_handlers_and_is_never_zero() -> None:
 
         def synchronize(self, pods: Any, containers: Any) -> None: ...
 
-    with pytest.raises(ConfigError, match="no event handler"):
+    with pytest.raises(StubConfigError, match="no event handler"):
         Stub(Nothing(), Identity("n", "30"))
 
 
@@ -131,7 +132,7 @@ def test_reconnect_backoff_doubles_and_stays_within_a_second() -> None:
 def test_inherited_fd_comes_from_the_environment() -> None:
     assert Stub.inherited_fd({}) is None
     assert Stub.inherited_fd({"NRI_PLUGIN_SOCKET": "3"}) == 3
-    with pytest.raises(ConfigError, match="NRI_PLUGIN_SOCKET"):
+    with pytest.raises(StubConfigError, match="NRI_PLUGIN_SOCKET"):
         Stub.inherited_fd({"NRI_PLUGIN_SOCKET": "three"})
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from nri_accel.policy import Policy
-from nri_accel.request import ContainerInfo, Request, parse_request
+from nri_accel.container import ContainerInfo
+from nri_accel.policy import Policy, Request
+from nri_accel.vendors.nvidia import DEFAULT_OPTIONS, Options
 
 KUBERNETES = Policy()
 STANDALONE = Policy(mode="standalone")
@@ -49,9 +50,20 @@ def info(*, pod: Mapping[str, str] | None = None, ctr: Mapping[str, str] | None 
 
 
 def parse(policy: Policy = STANDALONE, **kwargs: object) -> Request:
-    return parse_request(info(**kwargs), policy)  # type: ignore[arg-type]
+    return policy.request_for(info(**kwargs))  # type: ignore[arg-type]
 
 
 def claims(request: Request, which: str = "grants") -> list[tuple[object, ...]]:
     """Claims as (kind, ids, count, all, source) tuples, easy to compare in tables."""
     return [(c.kind, c.ids, c.count, c.all, c.source) for c in getattr(request, which)]
+
+
+def nv(request: Request) -> Options:
+    """The request's NVIDIA settings (capabilities, requirements, MIG capabilities)."""
+    options = request.option("nvidia")
+    return options if isinstance(options, Options) else DEFAULT_OPTIONS
+
+
+def nvidia_none(request: Request) -> bool:
+    """NVIDIA_VISIBLE_DEVICES=none applied: the NVIDIA driver, no device."""
+    return "nvidia.com" in request.drivers_only

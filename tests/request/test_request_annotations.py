@@ -4,10 +4,11 @@ capabilities.nri-accel.io. Parsed under the standalone policy so every claim is 
 from __future__ import annotations
 
 import pytest
-from request_testing import MIG0, UUID0, UUID1, claims, parse
+from request_testing import MIG0, UUID0, UUID1, claims, nv, parse
 
 from nri_accel.errors import RequestError
-from nri_accel.request import ALL_CAPABILITIES, DEFAULT_CAPABILITIES, MAX_IDS
+from nri_accel.syntax import MAX_IDS
+from nri_accel.vendors.nvidia import ALL_CAPABILITIES, DEFAULT_CAPABILITIES
 
 POD = "devices.nri-accel.io/pod"
 SRC = f"annotation {POD}"
@@ -251,8 +252,8 @@ CAPS = "capabilities.nri-accel.io"
 def test_capability_annotations(pod: dict[str, str], env: list[str], caps: set[str],
                                 source: str) -> None:
     req = parse(pod=pod, env=env)
-    assert req.capabilities == caps
-    assert req.capabilities_source == source
+    assert nv(req).capabilities == caps
+    assert nv(req).capabilities_source == source
 
 
 def test_capability_annotation_unknown_rejected() -> None:

@@ -4,10 +4,10 @@ nvidia-docker / aws-neuron semantics. Standalone policy, so env requests grant."
 from __future__ import annotations
 
 import pytest
-from request_testing import CUDA_IMAGE_ENV, MIG0, UUID0, UUID1, claims, parse
+from request_testing import CUDA_IMAGE_ENV, MIG0, UUID0, UUID1, claims, nv, nvidia_none, parse
 
 from nri_accel.errors import PolicyError, RequestError
-from nri_accel.request import ALL_CAPABILITIES, DEFAULT_CAPABILITIES
+from nri_accel.vendors.nvidia import ALL_CAPABILITIES, DEFAULT_CAPABILITIES
 
 GPU, NEURON = "nvidia.com/gpu", "aws.amazon.com/neuron"
 VIS = "env NVIDIA_VISIBLE_DEVICES"
@@ -60,7 +60,7 @@ def test_nvidia_visible_devices(env: list[str], expected: list[tuple[object, ...
                                 none: bool) -> None:
     req = parse(env=env)
     assert claims(req) == expected
-    assert req.nvidia_none is none
+    assert nvidia_none(req) is none
 
 
 # nvidia-docker 2's wrapper: NV_GPU (if non-empty) became -e NVIDIA_VISIBLE_DEVICES with
@@ -116,8 +116,8 @@ def test_nvidia_visible_devices_rejects(value: str, message: str) -> None:
 ])
 def test_driver_capabilities(env: list[str], caps: set[str], source: str) -> None:
     req = parse(env=env)
-    assert req.capabilities == caps
-    assert req.capabilities_source == source
+    assert nv(req).capabilities == caps
+    assert nv(req).capabilities_source == source
 
 
 @pytest.mark.parametrize("value", ["compute,gpu", "COMPUTE", "compute;utility", "none"])
@@ -138,7 +138,7 @@ def test_driver_capabilities_unknown_rejected(value: str) -> None:
 ])
 def test_mig_caps(env: list[str], config: bool, monitor: bool) -> None:
     req = parse(env=env)
-    assert (req.mig_config, req.mig_monitor) == (config, monitor)
+    assert (nv(req).mig_config, nv(req).mig_monitor) == (config, monitor)
 
 
 @pytest.mark.parametrize("value", ["0", "0,1", "ALL", " all"])
@@ -182,9 +182,9 @@ def test_neuron_visible_devices_rejects(value: str, message: str) -> None:
 def test_cuda_image_in_standalone_gets_all_gpus_and_its_requirements() -> None:
     req = parse(env=CUDA_IMAGE_ENV)
     assert claims(req) == [(GPU, (), None, True, VIS)]
-    assert req.capabilities == {"compute", "utility"}
-    assert req.requirements is not None
-    assert [r.source for r in req.requirements.items] == ["env NVIDIA_REQUIRE_CUDA"]
+    assert nv(req).capabilities == {"compute", "utility"}
+    assert nv(req).requirements is not None
+    assert [r.source for r in nv(req).requirements.items] == ["env NVIDIA_REQUIRE_CUDA"]
 
 
 def test_entries_without_equals_are_not_variables() -> None:

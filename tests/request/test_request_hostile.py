@@ -7,7 +7,7 @@ import pytest
 from request_testing import CUDA_IMAGE_ENV, KUBERNETES, STANDALONE, info, parse
 
 from nri_accel.errors import PolicyError, RequestError
-from nri_accel.request import MAX_VALUE_BYTES, parse_request
+from nri_accel.syntax import MAX_VALUE_BYTES
 
 POD = "devices.nri-accel.io/pod"
 
@@ -47,8 +47,8 @@ def test_paths_are_never_kinds(kind: str) -> None:
 
 
 def test_ld_preload_and_friends_have_no_effect() -> None:
-    clean = parse_request(info(env=CUDA_IMAGE_ENV), STANDALONE)
-    hostile = parse_request(info(env=(
+    clean = STANDALONE.request_for(info(env=CUDA_IMAGE_ENV))
+    hostile = STANDALONE.request_for(info(env=(
         *CUDA_IMAGE_ENV,
         "LD_PRELOAD=/tmp/evil.so",
         "LD_LIBRARY_PATH=/tmp",
@@ -56,7 +56,7 @@ def test_ld_preload_and_friends_have_no_effect() -> None:
         "NVIDIA_CTK_DEBUG=true",
         "PATH=/tmp:/usr/bin",
         "NVIDIA_VISIBLE_DEVICESX=/proc",  # a different variable: never read
-    )), STANDALONE)
+    )))
     assert hostile == clean
 
 

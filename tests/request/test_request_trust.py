@@ -11,12 +11,15 @@ from request_testing import (
     TRUSTING_GPU_OPERATOR,
     UUID0,
     claims,
+    nv,
+    nvidia_none,
     parse,
 )
 
 from nri_accel.config import parse_config
 from nri_accel.errors import PolicyError
-from nri_accel.policy import Origin, Policy, Verdict
+from nri_accel.policy import Policy, Verdict
+from nri_accel.request import Origin
 
 GPU, NEURON = "nvidia.com/gpu", "aws.amazon.com/neuron"
 PLUGIN = {"devices.nri-accel.io": f"nvidia.com/gpu={UUID0}"}  # kubelet, from Allocate
@@ -63,8 +66,8 @@ def test_cuda_image_env_alone_is_ignored_with_a_note() -> None:
         "namespace 'default'; allocate through the device plugin or add the namespace to "
         "policy.trusted_namespaces",)
     # capabilities and requirements come from any source
-    assert req.capabilities == {"compute", "utility"}
-    assert req.requirements is not None
+    assert nv(req).capabilities == {"compute", "utility"}
+    assert nv(req).requirements is not None
 
 
 def test_pod_annotation_without_allocation_is_refused() -> None:
@@ -123,13 +126,13 @@ def test_env_for_another_vendor_is_ignored() -> None:
 
 def test_none_over_an_allocation_narrows_to_the_driver_only() -> None:
     req = parse(KUBERNETES, ctr=PLUGIN, env=["NVIDIA_VISIBLE_DEVICES=none"])
-    assert req.nvidia_none is True
+    assert nvidia_none(req) is True
     assert len(req.grants) == 1  # select drops every nvidia.com device under nvidia_none
 
 
 def test_none_without_allocation_is_ignored() -> None:
     req = parse(KUBERNETES, env=["NVIDIA_VISIBLE_DEVICES=none"])
-    assert req.nvidia_none is False
+    assert nvidia_none(req) is False
     assert req.notes[0].startswith("env NVIDIA_VISIBLE_DEVICES=none not granted: ")
 
 
@@ -139,7 +142,7 @@ def test_mig_caps_refused_where_env_may_not_grant() -> None:
     assert err.value.source == "env NVIDIA_MIG_CONFIG_DEVICES"
     req = parse(TRUSTING_GPU_OPERATOR, namespace="gpu-operator",
                 env=["NVIDIA_MIG_MONITOR_DEVICES=all", "NVIDIA_VISIBLE_DEVICES=all"])
-    assert req.mig_monitor is True
+    assert nv(req).mig_monitor is True
 
 
 def test_long_values_are_shortened_in_notes() -> None:
@@ -252,7 +255,7 @@ def test_standalone_env_and_annotations_grant_each_vendor() -> None:
 
 def test_standalone_none_grants_the_driver_only() -> None:
     req = parse(STANDALONE, env=["NVIDIA_VISIBLE_DEVICES=none"])
-    assert req.nvidia_none is True and req.grants == ()
+    assert nvidia_none(req) is True and req.grants == ()
 
 
 def test_demoted_container_annotation_ranks_with_the_pods() -> None:

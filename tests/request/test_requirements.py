@@ -4,10 +4,10 @@ toolkit's cuda_image.go (legacy CUDA_VERSION, NVIDIA_DISABLE_REQUIRE, JETPACK sk
 from __future__ import annotations
 
 import pytest
-from request_testing import parse
+from request_testing import nv, parse
 
 from nri_accel.errors import RequestError
-from nri_accel.requirements import (
+from nri_accel.vendors.nvidia.requirements import (
     Constraint,
     Requirements,
     parse_requirement,
@@ -188,7 +188,7 @@ def test_no_requirements_is_none() -> None:
 
 
 def test_request_carries_requirements_and_names_the_variable() -> None:
-    assert parse(env=["NVIDIA_REQUIRE_CUDA=cuda>=12"]).requirements is not None
+    assert nv(parse(env=["NVIDIA_REQUIRE_CUDA=cuda>=12"])).requirements is not None
     with pytest.raises(RequestError) as err:
         parse(env=["NVIDIA_REQUIRE_DRIVER=driver>=abc"])
     assert err.value.source == "env NVIDIA_REQUIRE_DRIVER"

@@ -16,9 +16,10 @@ from types import MappingProxyType
 from demo_node import demo_inventory  # tests/demo_node.py
 
 from nri_accel.config import Config, DevicesConfig, PolicyConfig
+from nri_accel.container import ContainerInfo
 from nri_accel.engine import Engine
 from nri_accel.inventory import Inventory
-from nri_accel.request import GRANT_KEY_PREFIX, ContainerInfo
+from nri_accel.request import GRANT_KEY_PREFIX
 
 DEVICE_PLUGIN_KEY = GRANT_KEY_PREFIX + "nvidia.com_gpu"
 TRUSTED_NS = "gpu-operator"
@@ -35,8 +36,10 @@ def engine(mode: str = "kubernetes", inventory: Inventory | None = None, **kw: o
 def container(*, pod: Mapping[str, str] | None = None, ctr: Mapping[str, str] | None = None,
               env: Iterable[str] = (), namespace: str = "default", name: str = "main",
               cid: str = "c0", pod_name: str = "pod-0") -> ContainerInfo:
+    """One container; each container id its own pod (a new create of the same pod and
+    container name replaces the earlier grant)."""
     return ContainerInfo(
-        namespace=namespace, pod_name=pod_name, pod_uid="6b1c1a6e-0000-4000-8000-0000000001",
+        namespace=namespace, pod_name=pod_name, pod_uid=f"6b1c1a6e-0000-4000-8000-{cid}",
         container_name=name, container_id=cid,
         pod_annotations=MappingProxyType(dict(pod or {})),
         container_annotations=MappingProxyType(dict(ctr or {})),

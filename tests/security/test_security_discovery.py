@@ -15,9 +15,9 @@ from fakes.roots import ld_so_cache_bytes, materialise
 from nri_accel.discover.base import host_device_node
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.discover.ldcache import ARCHES, LdCacheError, Locator, parse_ld_so_cache
-from nri_accel.discover.nvidia import discover_nvidia
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import ContainerEdits
+from nri_accel.vendors.nvidia.discover import discover_nvidia
 
 X86 = ARCHES["x86_64"]
 LIB = "/usr/lib/x86_64-linux-gnu"

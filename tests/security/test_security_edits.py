@@ -11,8 +11,9 @@ from security_testing import DEVICE_PLUGIN_KEY, TRUSTED_NS, container, demo_inve
 
 from nri_accel.edits import UnsafeEdit, check_edits
 from nri_accel.errors import AllocationError, RequestError
-from nri_accel.inventory import KIND_GPU, ContainerEdits, Device, DeviceNode, Hook, Inventory, Mount
+from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Hook, Inventory, Mount
 from nri_accel.nri.adjust import build_adjustment
+from nri_accel.vendors.nvidia import KIND_GPU
 
 HOSTILE_ENV = (
     "LD_PRELOAD=/tmp/evil.so", "LD_AUDIT=/tmp/a.so", "LD_LIBRARY_PATH=/proc/self/root/../..:/x",

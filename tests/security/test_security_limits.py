@@ -8,6 +8,8 @@ import re
 import tracemalloc
 
 import pytest
+from demo_node import demo_inventory
+from grants import held, key
 from security_testing import DEVICE_PLUGIN_KEY, container, engine
 from structlog.testing import capture_logs
 
@@ -17,7 +19,8 @@ from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.adjust import build_adjustment
 from nri_accel.nri.simulator import make_container, make_pod
 from nri_accel.plugin import AccelPlugin
-from nri_accel.request import MAX_ENV_READ_CHARS, MAX_NAME_CHARS
+from nri_accel.request import MAX_ENV_READ_CHARS
+from nri_accel.syntax import MAX_NAME_CHARS
 
 MIB = 1 << 20
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -98,9 +101,9 @@ def test_log_lines_escape_control_characters_in_names() -> None:
             accel.create_container(pod, bad)
     assert [e["event"] for e in logs] == ["container_created", "container_refused"]
     for line in logs:
-        for key in ("namespace", "pod", "container", "error", "source"):
-            value = line.get(key, "")
-            assert not CONTROL.search(value) and len(value) < 1100, (key, value)
+        for field in ("namespace", "pod", "container", "error", "source"):
+            value = line.get(field, "")
+            assert not CONTROL.search(value) and len(value) < 1100, (field, value)
 
 
 def test_synchronize_with_many_containers_and_junk_records() -> None:
@@ -111,7 +114,8 @@ def test_synchronize_with_many_containers_and_junk_records() -> None:
                                state=pb.CONTAINER_RUNNING,
                                annotations={ANNOTATION_GRANTED: junk[i % len(junk)]})
                   for i in range(2000)]
+    gpu2 = key(demo_inventory(), "nvidia.com/gpu=2")
     real = make_container(pod, {"name": "real", "state": "CONTAINER_RUNNING",
-                                "annotations": {ANNOTATION_GRANTED: "nvidia.com/gpu=2"}})
+                                "annotations": {ANNOTATION_GRANTED: gpu2}})
     AccelPlugin(eng).synchronize([pod], [*containers, real])
-    assert eng.holdings() == {real.id: ("nvidia.com/gpu=2",)}
+    assert held(eng) == {real.id: ("nvidia.com/gpu=2",)}

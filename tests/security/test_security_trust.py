@@ -5,6 +5,8 @@ mode outside trusted namespaces, only narrows, and cannot forge the allocator's 
 from __future__ import annotations
 
 import pytest
+from demo_node import demo_inventory
+from grants import admit, held, key
 from security_testing import DEVICE_PLUGIN_KEY, TRUSTED_NS, container, engine
 
 from nri_accel.engine import ANNOTATION_GRANTED, ANNOTATION_SHARED
@@ -12,6 +14,7 @@ from nri_accel.errors import PolicyError, RequestError
 from nri_accel.nri import convert
 from nri_accel.nri.simulator import make_container, make_pod
 from nri_accel.plugin import AccelPlugin
+from nri_accel.policy import own_annotations
 
 POD_KEY = "devices.nri-accel.io/pod"
 
@@ -42,12 +45,15 @@ def test_pod_author_sources_never_grant_in_kubernetes_mode(case: str) -> None:
     kw = HOSTILE[case]
     eng = engine()
     try:
-        plan = eng.plan(container(**kw))  # type: ignore[arg-type]
+        plan = admit(eng, container(**kw))  # type: ignore[arg-type]
     except RequestError:
         pass  # refused: fine
     else:
-        assert plan.devices == () and not plan.edits and not plan.annotations
-    assert eng.holdings() == {}
+        assert plan.devices == () and not plan.annotations
+        assert not (plan.edits.device_nodes or plan.edits.mounts or plan.edits.hooks)
+        # the only edit: the image's own visibility variable made to grant nothing
+        assert set(plan.edits.env) <= {"NVIDIA_VISIBLE_DEVICES=void"}
+    assert held(eng) == {}
     # The same request grants where the policy allows it: the inputs are real requests.
     trusted = engine().plan(container(namespace=TRUSTED_NS, **kw))  # type: ignore[arg-type]
     assert trusted.edits
@@ -59,7 +65,7 @@ def test_env_only_narrows_a_device_plugin_grant(value: str) -> None:
     eng = engine()
     granted = {DEVICE_PLUGIN_KEY: "nvidia.com/gpu=0"}
     try:
-        plan = eng.plan(container(ctr=granted, env=[value]))
+        plan = admit(eng, container(ctr=granted, env=[value]))
     except RequestError as e:  # naming a device that was not allocated
         assert e.source.startswith("env ")
         return
@@ -94,14 +100,14 @@ def test_counts_never_share_a_device() -> None:
     eng = engine("standalone")
     got: dict[str, tuple[str, ...]] = {}
     for i in range(7):  # GPUs 0-6; GPU 7 is in MIG mode and never chosen by count
-        plan = eng.plan(container(pod={POD_KEY: "nvidia.com/gpu: 1"}, cid=f"c{i}"))
+        plan = admit(eng, container(pod={POD_KEY: "nvidia.com/gpu: 1"}, cid=f"c{i}"))
         assert len(plan.devices) == 1
         got[f"c{i}"] = plan.qualified_names
     assert len({names for names in got.values()}) == 7
     with pytest.raises(RequestError, match="only 0 of 8 are free"):
-        eng.plan(container(pod={POD_KEY: "nvidia.com/gpu: 1"}, cid="c7"))
+        admit(eng, container(pod={POD_KEY: "nvidia.com/gpu: 1"}, cid="c7"))
     eng.release("c3")
-    again = eng.plan(container(pod={POD_KEY: "nvidia.com/gpu: 1"}, cid="c8"))
+    again = admit(eng, container(pod={POD_KEY: "nvidia.com/gpu: 1"}, cid="c8"))
     assert again.qualified_names == got["c3"]
 
 
@@ -114,9 +120,14 @@ def test_a_container_carrying_a_grant_record_is_refused(key: str, where: str) ->
     eng = engine("standalone")
     kw = {where: {key: "nvidia.com/gpu=0", POD_KEY: "nvidia.com/gpu: 1"}}
     with pytest.raises(RequestError, match="reserved") as err:
-        eng.plan(container(**kw))  # type: ignore[arg-type]
+        admit(eng, container(**kw))  # type: ignore[arg-type]
     assert err.value.source.endswith(key)
-    assert eng.holdings() == {}
+    assert held(eng) == {}
+
+
+def gpu(i: int) -> str:
+    """The grant record's name of demo GPU i."""
+    return key(demo_inventory(), f"nvidia.com/gpu={i}")
 
 
 def _synchronize(eng: object, pod_annotations: dict[str, str],
@@ -132,31 +143,31 @@ def test_restore_ignores_grant_records_copied_from_the_pod() -> None:
     # A runtime that copies pod annotations into the container's: a forged record would
     # make every GPU look held after a plugin restart (count requests all fail).
     eng = engine("standalone")
-    forged = {ANNOTATION_GRANTED: ",".join(f"nvidia.com/gpu={i}" for i in range(8))}
+    forged = {ANNOTATION_GRANTED: ",".join(gpu(i) for i in range(8))}
     _synchronize(eng, forged, forged)
-    assert eng.holdings() == {}
-    assert len(eng.plan(container(pod={POD_KEY: "nvidia.com/gpu: 2"})).devices) == 2
+    assert held(eng) == {}
+    assert len(admit(eng, container(pod={POD_KEY: "nvidia.com/gpu: 2"})).devices) == 2
 
 
 def test_restore_cannot_be_told_that_held_devices_are_shared() -> None:
     # The container really got GPU 0 by count (its own record); a copied pod annotation
     # calling it shared would let the allocator hand GPU 0 to a second tenant.
     eng = engine("standalone")
-    cid = _synchronize(eng, {ANNOTATION_SHARED: "nvidia.com/gpu=0"},
-                       {ANNOTATION_GRANTED: "nvidia.com/gpu=0",
-                        ANNOTATION_SHARED: "nvidia.com/gpu=0"})
-    assert eng.holdings() == {cid: ("nvidia.com/gpu=0",)}
+    cid = _synchronize(eng, {ANNOTATION_SHARED: gpu(0)},
+                       {ANNOTATION_GRANTED: gpu(0), ANNOTATION_SHARED: gpu(0)})
+    assert held(eng) == {cid: ("nvidia.com/gpu=0",)}
     with pytest.raises(RequestError, match="only 6 of 8 are free"):
-        eng.plan(container(pod={POD_KEY: "nvidia.com/gpu: 7"}, cid="other"))
+        admit(eng, container(pod={POD_KEY: "nvidia.com/gpu: 7"}, cid="other"))
 
 
 def test_restore_keeps_the_containers_own_records() -> None:
     eng = engine("standalone")
-    cid = _synchronize(eng, {"unrelated": "x"}, {ANNOTATION_GRANTED: "nvidia.com/gpu=4"})
-    assert eng.holdings() == {cid: ("nvidia.com/gpu=4",)}
+    cid = _synchronize(eng, {"unrelated": "x"}, {ANNOTATION_GRANTED: gpu(4)})
+    assert held(eng) == {cid: ("nvidia.com/gpu=4",)}
 
 
-def test_live_containers_drop_annotations_their_pod_carries() -> None:
+def test_a_containers_own_annotations_exclude_those_its_pod_carries() -> None:
     pod = make_pod({"name": "p", "annotations": {"a": "1", "b": "2"}})
     ctr = make_container(pod, {"name": "c", "annotations": {"a": "1", "b": "other", "c": "3"}})
-    assert dict(dict(convert.live_containers([ctr], [pod]))[ctr.id]) == {"c": "3"}
+    (live,) = convert.live_containers([ctr], [pod], ["a", "b", "c"])
+    assert own_annotations(live.container_annotations, live.pod_annotations) == {"c": "3"}

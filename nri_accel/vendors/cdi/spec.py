@@ -3,9 +3,9 @@
 Owns: discover_cdi(root, spec_dirs) -> Found (reading, validation, priorities),
 generate_specs(inventory) / render_spec(spec) / spec_file_name(kind) (writing), and
 min_version(spec), the CDI version a spec's content needs. Imports the standard
-library, PyYAML, nri_accel.errors, nri_accel.inventory, nri_accel.log and
-nri_accel.discover.{base, hostroot}. Facts from cncf-tags/container-device-interface
-(SPEC.md, pkg/cdi, pkg/parser, specs-go/version.go).
+library, PyYAML, nri_accel.errors, nri_accel.inventory, nri_accel.log,
+nri_accel.discover.{base, hostroot} and, to write specs, nri_accel.vendors. Facts from
+cncf-tags/container-device-interface (SPEC.md, pkg/cdi, pkg/parser, specs-go/version.go).
 
 Reading follows what containerd and CRI-O do through pkg/cdi:
 
@@ -42,10 +42,11 @@ A device named `all` is not listed: `kind=all` is the request keyword for every 
 of a kind, and granting each device gives what the composite one would. Hooks are kept
 as written; whether a hook may be emitted is the edits stage's decision.
 
-Writing (`nri-accel cdi generate`): one spec per device kind of the NVIDIA and Neuron
-devices, each device's edits (a MIG instance's include its parent GPU's node) as device
-edits, the driver's "" edits plus its default capabilities (NVIDIA: utility, compute,
-the default of NVIDIA_DRIVER_CAPABILITIES) as spec edits. `cdiVersion` is the lowest
+Writing (`nri-accel cdi generate`): one spec per device kind of each native family
+(NVIDIA, Neuron, ...), each device's edits (a MIG instance's include its parent GPU's
+node) as device edits, and as spec edits the driver files its family adds for the
+default request (NVIDIA: the driver's "" edits plus utility and compute, the default of
+NVIDIA_DRIVER_CAPABILITIES). `cdiVersion` is the lowest
 version the content needs (min_version; 0.5.0 for names such as "0"), not the newest:
 containerd 1.7 and CRI-O 1.26 ship CDI libraries that reject versions newer than they
 know, and every version from 0.5.0 is accepted by both.
@@ -58,7 +59,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from types import MappingProxyType
@@ -71,9 +72,6 @@ from nri_accel.discover.hostroot import HostRoot
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import (
     DEVICE_NAME_RE,
-    KIND_GPU,
-    KIND_MIG,
-    KIND_NEURON,
     ContainerEdits,
     Device,
     DeviceNode,
@@ -94,8 +92,6 @@ DRIVER_PREFIX = "cdi:"
 MAX_SPEC_BYTES = 4 << 20
 HOOK_NAMES = frozenset({"prestart", "createRuntime", "createContainer", "startContainer",
                         "poststart", "poststop"})
-GENERATED_KINDS = (KIND_GPU, KIND_MIG, KIND_NEURON)
-DEFAULT_CAPABILITIES = {"nvidia": ("utility", "compute")}
 
 _QUALIFIER_CHARS = re.compile(r"^[A-Za-z0-9_.-]*$")
 _SPEC_KEYS = {"cdiVersion", "kind", "annotations", "devices", "containerEdits"}
@@ -547,34 +543,34 @@ def min_version(spec: Mapping[str, Any]) -> str:
 
 
 def generate_specs(inventory: Inventory) -> list[dict[str, Any]]:
-    """One CDI spec (raw form, ready for render_spec) per NVIDIA/Neuron device kind."""
+    """One CDI spec (raw form, ready for render_spec) per device kind of each native
+    family: its devices' own edits as device edits, and as spec edits what its profile
+    adds for them with the default request (NVIDIA: the driver's shared files plus
+    utility and compute, the default of NVIDIA_DRIVER_CAPABILITIES)."""
+    from nri_accel.vendors import PROFILES
+    from nri_accel.vendors.base import NO_ASK, Checked, DriverFiles
+
+    files = DriverFiles(MappingProxyType({
+        (vendor, cap): Checked(edits=edits) for vendor, driver in inventory.drivers.items()
+        for cap, edits in driver.capabilities.items()}))
     specs = []
-    for kind in GENERATED_KINDS:
-        devices = inventory.of_kind(kind)
-        if not devices:
+    for profile in PROFILES:
+        if not profile.native:
             continue
-        raw_devices = [{"name": d.name, "containerEdits": _edits_to_raw(d.edits)}
-                       for d in devices]
-        shared = merge_edits(_shared_edits(inventory, sorted({d.vendor for d in devices})))
-        spec: dict[str, Any] = {"cdiVersion": "", "kind": kind, "devices": raw_devices}
-        if shared:
-            spec["containerEdits"] = _edits_to_raw(shared)
-        spec["cdiVersion"] = min_version(spec)
-        specs.append(spec)
+        for kind in profile.kinds:
+            devices = inventory.of_kind(kind)
+            if not devices:
+                continue
+            raw_devices = [{"name": d.name, "containerEdits": _edits_to_raw(d.edits)}
+                           for d in devices]
+            added = profile.edits(devices, profile.settings(NO_ASK, None), False, files)
+            shared = merge_edits(added.parts)
+            spec: dict[str, Any] = {"cdiVersion": "", "kind": kind, "devices": raw_devices}
+            if shared:
+                spec["containerEdits"] = _edits_to_raw(shared)
+            spec["cdiVersion"] = min_version(spec)
+            specs.append(spec)
     return specs
-
-
-def _shared_edits(inventory: Inventory, vendors: Iterable[str]) -> list[ContainerEdits]:
-    out = []
-    for vendor in vendors:
-        driver = inventory.driver(vendor)
-        if driver is None:
-            continue
-        for cap in ("", *DEFAULT_CAPABILITIES.get(vendor, ())):
-            edits = driver.capabilities.get(cap)
-            if edits is not None:
-                out.append(edits)
-    return out
 
 
 def _edits_to_raw(e: ContainerEdits) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """NVIDIA discovery: GPUs, MIG devices and the driver's files, from NVML and the host.
 
-Owns: discover_nvidia(root) and the NVIDIA facts it encodes (which libraries and
-binaries each driver capability brings, brand/architecture names, MIG profiles, device
-node and capability-file layout). Imports nri_accel.discover.{nvml, ldcache,
-hostroot, base}, nri_accel.errors, nri_accel.inventory and nri_accel.log; never pynvml
-itself (the nvml adapter does). Runs at startup and on refresh, never on a CreateContainer.
+Owns: discover_nvidia(root), probe(root) and the NVIDIA facts discovery encodes (which
+libraries and binaries each driver capability brings, brand/architecture names, MIG
+profiles, device node and capability-file layout). Imports nri_accel.discover.{nvml,
+ldcache, hostroot, base, kernel, probe}, nri_accel.errors, nri_accel.inventory,
+nri_accel.log and the kinds of nri_accel.vendors.nvidia; never pynvml itself (the nvml
+adapter does). Runs at startup and on refresh, never on a CreateContainer.
 
 What it finds:
 - libnvidia-ml.so.1 located in the driver root like the node's loader would
@@ -59,11 +60,11 @@ from types import MappingProxyType
 from nri_accel.discover import nvml
 from nri_accel.discover.base import Found, lstat_device
 from nri_accel.discover.hostroot import HostRoot
+from nri_accel.discover.kernel import char_major, pci_numa_node
 from nri_accel.discover.ldcache import ARCHES, COMPAT32, Arch, Locator
+from nri_accel.discover.probe import State, entries, file_state
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import (
-    KIND_GPU,
-    KIND_MIG,
     ContainerEdits,
     Device,
     DeviceNode,
@@ -75,10 +76,10 @@ from nri_accel.inventory import (
     parse_pci_bus_id,
 )
 from nri_accel.log import get_logger
+from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG, VENDOR
 
 log = get_logger(__name__)
 
-VENDOR = "nvidia"
 NVML_SONAME = "libnvidia-ml.so.1"
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
@@ -146,6 +147,24 @@ def normalise_pci_bus_id(value: str) -> str:
     if key is None:
         raise ValueError(f"not a PCI bus id: {value!r}")
     return format_pci_bus_id(key)
+
+
+def probe(root: HostRoot) -> State:
+    """What moves when the NVIDIA side of the node changes: the driver version (upgrade,
+    reload), the /dev/nvidia* and /dev/nvidia-caps nodes (hot-plug, nodes created or
+    removed) and the MIG capability tree (a MIG reconfiguration creates and removes its
+    gi<N>/ci<M> directories)."""
+    out = [file_state(root, "/proc/driver/nvidia/version"),
+           file_state(root, root.sys_path("module/nvidia/version")),
+           *entries(root, root.dev, ("nvidia",)),
+           *entries(root, root.dev_path("nvidia-caps"))]
+    for gpu in root.listdir(PROC_CAPS):
+        mig = f"{PROC_CAPS}/{gpu}/mig"
+        for gi in root.listdir(mig):
+            if gi.startswith("gi"):
+                out.append((f"{mig}/{gi}", tuple(c for c in root.listdir(f"{mig}/{gi}")
+                                                 if c.startswith("ci"))))
+    return out
 
 
 def discover_nvidia(root: HostRoot) -> Found:
@@ -282,33 +301,9 @@ class _Scan:
     def caps_major(self) -> int | None:
         if not self._caps_major_read:
             self._caps_major_read = True
-            self._caps_major = _char_major(self.root, "nvidia-caps")
+            self._caps_major = char_major(self.root, "nvidia-caps")
         return self._caps_major
 
-    def numa_from_sysfs(self, bus_id: str) -> int | None:
-        try:
-            value = int(self.root.read_text(
-                self.root.sys_path(f"bus/pci/devices/{bus_id}/numa_node")))
-        except (OSError, ValueError):
-            return None
-        return value if value >= 0 else None
-
-
-def _char_major(root: HostRoot, driver: str) -> int | None:
-    """The major of character driver `driver` in /proc/devices."""
-    try:
-        text = root.read_text("/proc/devices")
-    except OSError:
-        return None
-    in_char = False
-    for line in text.splitlines():
-        if line.strip().endswith("devices:"):
-            in_char = line.strip() == "Character devices:"
-            continue
-        fields = line.split()
-        if in_char and len(fields) == 2 and fields[1] == driver and fields[0].isdigit():
-            return int(fields[0])
-    return None
 
 
 # ---- devices -------------------------------------------------------------------------
@@ -334,7 +329,7 @@ def _devices(snap: nvml.NvmlSnapshot, scan: _Scan) -> list[Device]:
                          what=what + (" and its MIG devices" if g.migs else ""))
         if node is None:
             continue
-        numa = g.numa_node if g.numa_node is not None else scan.numa_from_sysfs(bus)
+        numa = g.numa_node if g.numa_node is not None else pci_numa_node(scan.root, bus)
         attrs = {"name": g.name}
         if g.brand is not None:
             attrs["brand"] = BRANDS.get(g.brand, "unknown")

@@ -1,8 +1,22 @@
-"""AWS Neuron (Inferentia, Trainium) discovery from /dev and sysfs.
+"""The AWS Neuron family (Inferentia, Trainium): discovery from /dev and sysfs, the
+AWS_NEURON_VISIBLE_DEVICES grammar, and the env a selection brings.
 
-Owns: discover_neuron(root) -> Found. Imports the standard library, nri_accel.errors,
-nri_accel.inventory, nri_accel.log and nri_accel.discover.{base,hostroot}. No ioctl, no
-Neuron library.
+Owns: NeuronProfile (PROFILE), discover_neuron(root) -> Found and probe(root). Imports
+the standard library, nri_accel.errors, nri_accel.inventory, nri_accel.log,
+nri_accel.syntax, nri_accel.vendors.base and nri_accel.discover.{base, hostroot, probe}.
+No ioctl, no Neuron library.
+
+Requests: AWS_NEURON_VISIBLE_DEVICES (aws-neuron-sdk containers docs): ALL (any case), or
+a comma-separated list of logical device ids and ranges such as 0-3; as with
+NVIDIA_VISIBLE_DEVICES, "all" wins over ids listed beside it.
+
+Edits: each device's /dev/neuronN, AWS_NEURON_VISIBLE_DEVICES = the device indices (the
+oci-neuron-hook syntax) and NEURON_RT_VISIBLE_CORES = their NeuronCores in the runtime's
+node-wide numbering (device i's cores follow those of devices 0..i-1), as ranges "a-b"
+joined by commas; left alone when the container already sets it (the Neuron device
+plugin sets it for core-level allocations, narrower than the whole device). When the
+image asks through AWS_NEURON_VISIBLE_DEVICES and nothing is granted, the variable is
+removed, so the oci-neuron-hook (which reads nothing else) grants nothing either.
 
 What the aws-neuron-driver exposes (neuron_cdev.c, neuron_module.c) and is read here,
 through the HostRoot:
@@ -27,29 +41,116 @@ sysfs gives no reliable index-to-PCI mapping. The Neuron environment of a contai
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 from nri_accel.discover.base import Found, host_device_node
 from nri_accel.discover.hostroot import HostRoot
+from nri_accel.discover.probe import State, entries, file_state
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import (
-    KIND_NEURON,
     ContainerEdits,
     Device,
     DeviceNode,
     Driver,
+    Inventory,
     Problem,
 )
 from nri_accel.log import get_logger
+from nri_accel.syntax import ClaimSet, DeviceClaim
+from nri_accel.vendors.base import (
+    DriverFiles,
+    EnvAsk,
+    EnvSource,
+    FamilyEdits,
+    Profile,
+    joined_ranges,
+)
+
+if TYPE_CHECKING:
+    from nri_accel.config import Config
 
 log = get_logger(__name__)
 
 VENDOR = "neuron"
+KIND = "aws.amazon.com/neuron"
+ENV_VISIBLE = "AWS_NEURON_VISIBLE_DEVICES"
+ENV_CORES = "NEURON_RT_VISIBLE_CORES"
 MODULE_DIR = "module/neuron"
 CLASS_DIR = "class/neuron_device"
 _NODE_RE = re.compile(r"^neuron([0-9]+)$")
 _ARCH_FILES = (("arch", "arch_type"), ("name", "device_name"),
                ("instance_type", "instance_type"))
+
+
+class NeuronProfile(Profile):
+    name = VENDOR
+    kinds = (KIND,)
+    env_names = frozenset({ENV_VISIBLE})
+    visibility = (ENV_VISIBLE, None)
+
+    def discover(self, root: HostRoot, config: Config) -> Found:
+        return discover_neuron(root)
+
+    def probe(self, root: HostRoot, config: Config) -> State:
+        return probe(root)
+
+    def read_env(self, env: Mapping[str, str]) -> EnvAsk:
+        if ENV_VISIBLE not in env:
+            return EnvAsk()
+        value = env[ENV_VISIBLE]
+        if not value.strip():
+            return EnvAsk(visible=True)
+        name = f"env {ENV_VISIBLE}"
+        return EnvAsk(sources=(EnvSource(name, parse_visible(value, name), value),),
+                      visible=True)
+
+    def tables(self, inventory: Inventory) -> Mapping[str, tuple[int, int]]:
+        """Qualified name -> (first NeuronCore, cores) in the runtime's node-wide
+        numbering; stops at the first device whose core count is unknown."""
+        cores: dict[str, tuple[int, int]] = {}
+        first = 0
+        for d in inventory.of_kind(KIND):
+            n = d.attributes.get("cores", "")
+            if not n.isdigit():
+                break  # numbering unknown from here on
+            cores[d.qualified_name] = (first, int(n))
+            first += int(n)
+        return MappingProxyType(cores)
+
+    def edits(self, devices: Sequence[Device], options: Any, drivers_only: bool,
+              files: DriverFiles) -> FamilyEdits:
+        base = super().edits(devices, options, drivers_only, files)
+        numbering = files.table(VENDOR) or {}
+        cores = [numbering.get(d.qualified_name) for d in devices]
+        defaults = ()
+        if devices and all(c is not None for c in cores):
+            defaults = ((ENV_CORES, joined_ranges(
+                n for c in cores if c is not None for n in range(c[0], c[0] + c[1]))),)
+        return FamilyEdits(parts=base.parts, notes=base.notes, defaults=defaults,
+                           env=((ENV_VISIBLE, ",".join(d.name for d in devices)),))
+
+
+PROFILE = NeuronProfile()
+
+
+def parse_visible(value: str, source: str) -> tuple[DeviceClaim, ...]:
+    """AWS_NEURON_VISIBLE_DEVICES: ALL (any case), or ids and ranges; all wins. (The
+    request parser has checked the value's size and characters.)"""
+    tokens = [t.strip() for t in value.split(",") if t.strip()]
+    if any(t.lower() == "all" for t in tokens):
+        return (DeviceClaim(KIND, all=True, source=source),)
+    acc = ClaimSet(source)
+    for token in tokens:
+        acc.add_ids(KIND, token)
+    return acc.claims()
+
+
+def probe(root: HostRoot) -> State:
+    """The driver version and the /dev/neuron* nodes."""
+    return [file_state(root, root.sys_path(f"{MODULE_DIR}/version")),
+            *entries(root, root.dev, ("neuron",))]
 
 
 def discover_neuron(root: HostRoot) -> Found:
@@ -80,7 +181,7 @@ def discover_neuron(root: HostRoot) -> Found:
     present = {i for i, _, _, _ in found}
     devices = tuple(
         Device(
-            kind=KIND_NEURON,
+            kind=KIND,
             name=str(i),
             aliases=(f"neuron{i}",),
             edits=ContainerEdits(device_nodes=(node,)),

@@ -1,0 +1,120 @@
+"""The composition root: what every verb builds before it does its work.
+
+Owns: App (the configuration with its command-line overrides, logging, the inventory
+source and its refresher) and the checks of what the command line names. Imports the
+standard library, nri_accel.config, nri_accel.errors, nri_accel.inventory and
+nri_accel.log; nri_accel.discover only when a verb discovers, so `run --inventory FILE`
+and `explain --inventory FILE` never load a discoverer.
+
+Every verb starts with App.from_args(args, ...): `run` and `device-plugin` as daemons
+(logs at the configured level, to stderr or a file; every discovery problem a warning
+with its reason), the report verbs quietly (stdout is their output: errors only, or
+warnings for explain), and the command line is checked once: a --root or --inventory
+that does not exist is a configuration error (exit 2), never an empty node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import IO, TYPE_CHECKING, Any
+
+from nri_accel import log as logging_setup
+from nri_accel.config import Config, MetricsConfig, load_config
+from nri_accel.errors import ConfigError
+from nri_accel.inventory import Inventory
+
+if TYPE_CHECKING:
+    from nri_accel.discover.hostroot import HostRoot
+    from nri_accel.discover.watch import Refresher
+
+log = logging_setup.get_logger(__name__)
+
+DAEMON = "daemon"  # logs at the configured level
+REPORT = "error"  # logs errors only (debug if configured): stdout is the output
+DRY_RUN = "warning"  # logs warnings and up (debug if configured)
+
+
+@dataclass(slots=True)
+class App:
+    """One verb's configuration and inventory source."""
+
+    config: Config
+    inventory_path: str | None = None
+    root_dir: str | None = None
+    log_file: IO[str] | None = None
+    _probe: Any = None  # the refresher's probe, taken just before discovery
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, mode: str,
+                  log_file: str | None = None, preregistered: bool = False) -> App:
+        """Read the configuration (--config), apply --state-dir and --metrics-address,
+        check --inventory/--root, and configure logging for `mode`."""
+        config = load_config(getattr(args, "config", None))
+        state_dir = getattr(args, "state_dir", None)
+        if state_dir:
+            config = replace(config, state_dir=os.path.abspath(state_dir))
+        address = getattr(args, "metrics_address", None)
+        if address is not None:
+            config = replace(config, metrics=MetricsConfig(address=address))
+        inventory_path = getattr(args, "inventory", None)
+        root_dir = getattr(args, "root", None)
+        if inventory_path is not None and not os.path.isfile(inventory_path):
+            raise ConfigError("no such file (write one with `nri-accel discover --json`)",
+                              source=f"--inventory {inventory_path}")
+        if root_dir is not None and not os.path.isdir(root_dir):
+            raise ConfigError("no such directory: the host root to discover",
+                              source=f"--root {root_dir}")
+        app = cls(config, inventory_path, root_dir)
+        if mode == DAEMON:
+            app.log_file = logging_setup.open_log_file(log_file, preregistered=preregistered)
+            logging_setup.configure(level=config.log.level, fmt=config.log.format,
+                                    file=app.log_file)
+        else:
+            level = "debug" if config.log.level == "debug" else mode
+            logging_setup.configure(level=level, fmt=config.log.format)
+        return app
+
+    def close(self) -> None:
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None
+
+    def host_root(self) -> HostRoot:
+        from nri_accel.discover import host_root
+
+        return host_root(self.root_dir, self.config)
+
+    def load_inventory(self) -> Inventory:
+        """The saved inventory (--inventory), or a discovery of the host root. Every
+        problem discovery found is logged as a warning with its reason."""
+        if self.inventory_path is not None:
+            inventory = Inventory.load(self.inventory_path)
+            log.info("inventory_loaded", path=self.inventory_path,
+                     devices=len(inventory.devices))
+        else:
+            from nri_accel.discover import discover
+            from nri_accel.discover.watch import watch_state
+
+            root = self.host_root()
+            # Before discovery: a change meanwhile is seen at the refresher's first poll.
+            self._probe = watch_state(root, self.config)
+            inventory = discover(root, self.config)
+            log.info("inventory_discovered", root=root.root, devices=len(inventory.devices),
+                     problems=len(inventory.problems))
+        for p in inventory.problems:
+            log.warning("discovery_problem", source=p.source, problem=p.message)
+        return inventory
+
+    def refresher(self, inventory: Inventory,
+                  on_change: Callable[[Inventory], Any]) -> Refresher | None:
+        """The Refresher that keeps the discovered `inventory` current (None for a saved
+        inventory)."""
+        if self.inventory_path is not None:
+            return None
+        from nri_accel.discover.watch import Refresher
+
+        return Refresher(self.host_root(), self.config, inventory, on_change,
+                         state=self._probe)

@@ -1,0 +1,416 @@
+"""Grant state: who holds which device, the checkpoint that keeps it across restarts, and
+the node state `run` shares with the device plugin.
+
+Owns: Grant, Holdings (the allocation state and THE exclusivity rule), the checkpoint
+file format, its atomic write and its writer (CheckpointWriter: after each change, off
+the event loop), and the NRI side's registration record (NriStatus).
+Imports the standard library, nri_accel.errors and nri_accel.log. Holdings is pure
+in-memory state; only Checkpoint and NriStatus touch files, and nothing here runs on the
+CreateContainer path except Holdings' dictionary work.
+
+The rule (README.md, "Who holds a device"): every device a container is granted by id,
+count or CDI request is held *exclusively* while that container exists; a device reached
+only through `all`, through a kubelet time-slicing replica, or of a kind the configuration
+shares is used *shared*, holds nothing and is never refused for being held. An exclusive
+grant of a device another container holds is refused (AllocationError) naming that
+container; counts never choose a held device. Holdings are keyed by what stays true of a
+device (Device.key: "<kind>=<UUID>", else its PCI bus id, else the name a spec gives it),
+never by an index that a renumbering can shift.
+
+A container's grant ends with StopContainer/RemoveContainer, with its pod sandbox
+(Stop/RemovePodSandbox: CRI-O sends nothing for a container whose `runc create` failed
+after the adjustment), when a new create for the same pod and container name replaces
+it (kubelet's retry of that failed create), and when a Synchronize does not list it.
+
+The checkpoint (`<state dir>/grants.json`) is written after every change, off the event
+loop, atomically (a temporary file, fsync, rename, fsync of the directory: kubelet's
+device-manager checkpoint does the same) and read at start:
+
+    {"version": 1, "boot_id": "...", "grants": [{"container_id": ..., "pod_uid": ...,
+      "pod_id": ..., "name": "ns/pod/container", "exclusive": [keys], "shared": [keys]}]}
+
+A checkpoint of another boot holds nothing (no container survives a reboot). A missing
+one means nri-accel never granted anything on this boot: every `run` writes one before
+it serves (Checkpoint.save on start). One that cannot be read leaves the state unknown:
+count requests are then refused (StateError) until a Synchronize tells what runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nri_accel.errors import AllocationError, StateError
+from nri_accel.log import get_logger
+
+log = get_logger(__name__)
+
+CHECKPOINT_FILE = "grants.json"
+NRI_STATUS_FILE = "nri-plugin.json"
+CHECKPOINT_VERSION = 1
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+MAX_CHECKPOINT_BYTES = 64 << 20
+_MAX_LISTED = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What one container holds."""
+
+    container_id: str
+    name: str = ""  # namespace/pod/container, for messages
+    pod_uid: str = ""
+    pod_id: str = ""  # the runtime's sandbox id
+    container_name: str = ""
+    exclusive: frozenset[str] = frozenset()  # Device.key of each device held exclusively
+    shared: frozenset[str] = frozenset()  # Device.key of each device used shared
+
+    @property
+    def pod(self) -> str:
+        """What names the pod: its uid, else the runtime's sandbox id."""
+        return self.pod_uid or self.pod_id
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"container_id": self.container_id, "name": self.name,
+                "pod_uid": self.pod_uid, "pod_id": self.pod_id,
+                "container_name": self.container_name,
+                "exclusive": sorted(self.exclusive), "shared": sorted(self.shared)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Grant:
+        if not isinstance(data, dict):
+            raise ValueError("a grant must be an object")
+
+        def text(key: str) -> str:
+            value = data.get(key, "")
+            if not isinstance(value, str):
+                raise ValueError(f"{key} must be a string")
+            return value
+
+        def keys(key: str) -> frozenset[str]:
+            value = data.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+                raise ValueError(f"{key} must be a list of strings")
+            return frozenset(value)
+
+        if not text("container_id"):
+            raise ValueError("container_id is empty")
+        return cls(text("container_id"), text("name"), text("pod_uid"), text("pod_id"),
+                   text("container_name"), keys("exclusive"), keys("shared"))
+
+
+def _listed(grants: Iterable[Grant]) -> str:
+    names = sorted({f"{g.name or '?'} (id {g.container_id[:12]})" for g in grants})
+    more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+    return ", ".join(names[:_MAX_LISTED]) + more
+
+
+@dataclass(slots=True)
+class Holdings:
+    """Which running container holds which device. Not thread-safe: the Engine
+    serialises calls. `known` is False while the state cannot be known (an unreadable
+    checkpoint, no Synchronize yet)."""
+
+    known: bool = True
+    _grants: dict[str, Grant] = field(default_factory=dict)
+    _holders: dict[str, set[str]] = field(default_factory=dict)  # key -> container ids
+    _by_name: dict[tuple[str, str], str] = field(default_factory=dict)  # (pod, name) -> id
+    version: int = 0  # bumped on every change (the checkpoint writer's cue)
+
+    # ---- reading -----------------------------------------------------------------------
+
+    def grants(self) -> tuple[Grant, ...]:
+        """Every grant, by container id."""
+        return tuple(self._grants[c] for c in sorted(self._grants))
+
+    def snapshot(self) -> tuple[Grant, ...]:
+        """Every grant, unordered: a cheap copy to write out elsewhere."""
+        return tuple(self._grants.values())
+
+    def get(self, container_id: str) -> Grant | None:
+        return self._grants.get(container_id)
+
+    def held_keys(self) -> frozenset[str]:
+        return frozenset(self._holders)
+
+    def replaced(self, grant: Grant) -> frozenset[str]:
+        """Ids of the grants `grant` would replace: its own container's earlier one, and
+        that of an earlier container of the same pod and name."""
+        out = set()
+        if grant.container_id in self._grants:
+            out.add(grant.container_id)
+        if grant.pod and grant.container_name:
+            earlier = self._by_name.get((grant.pod, grant.container_name))
+            if earlier is not None:
+                out.add(earlier)
+        return frozenset(out)
+
+    def busy(self, grant: Grant) -> frozenset[str]:
+        """Keys held exclusively by containers other than those `grant` replaces."""
+        mine = self.replaced(grant)
+        return frozenset(k for k, ids in self._holders.items() if not ids <= mine)
+
+    def require_known(self, source: str) -> None:
+        """StateError naming `source` (a count's) while the state is unknown."""
+        if not self.known:
+            raise StateError("which devices running containers hold is not known (the "
+                             "grant checkpoint could not be read and the runtime has not "
+                             "synchronised yet): a count is refused rather than guessed; "
+                             "named devices are still served", source=source)
+
+    def check(self, grant: Grant) -> None:
+        """Refuse `grant` if it would take a device another container holds: the one
+        exclusivity rule."""
+        mine = self.replaced(grant)
+        conflicts: dict[str, list[Grant]] = {}
+        for key in sorted(grant.exclusive):
+            others = [self._grants[i] for i in self._holders.get(key, ()) if i not in mine]
+            if others:
+                conflicts[key] = others
+        if conflicts:
+            shown = "; ".join(f"{k} is held by {_listed(g)}" for k, g in conflicts.items())
+            raise AllocationError(f"{shown}: a device is granted to one running container "
+                                  "at a time (share it through the device plugin's "
+                                  "time-slicing replicas or devices.shared_kinds)",
+                                  source=grant.name)
+
+    # ---- changing ----------------------------------------------------------------------
+
+    def record(self, grant: Grant) -> tuple[Grant, ...]:
+        """Record `grant` (check() it first), replacing what it replaces; returns those."""
+        gone = tuple(g for i in self.replaced(grant) if (g := self.release(i)) is not None)
+        if grant.exclusive or grant.shared:
+            self._grants[grant.container_id] = grant
+            for key in grant.exclusive:
+                self._holders.setdefault(key, set()).add(grant.container_id)
+            if grant.pod and grant.container_name:
+                self._by_name[(grant.pod, grant.container_name)] = grant.container_id
+            self.version += 1
+        return gone
+
+    def release(self, container_id: str) -> Grant | None:
+        grant = self._grants.pop(container_id, None)
+        if grant is None:
+            return None
+        for key in grant.exclusive:
+            ids = self._holders.get(key)
+            if ids is not None:
+                ids.discard(container_id)
+                if not ids:
+                    del self._holders[key]
+        if self._by_name.get((grant.pod, grant.container_name)) == container_id:
+            del self._by_name[(grant.pod, grant.container_name)]
+        self.version += 1
+        return grant
+
+    def release_pod(self, pod_uid: str, pod_id: str) -> tuple[Grant, ...]:
+        """Release every grant of the pod (by uid, or by sandbox id)."""
+        ids = [g.container_id for g in self._grants.values()
+               if (pod_uid and g.pod_uid == pod_uid) or (pod_id and g.pod_id == pod_id)]
+        return tuple(g for i in ids if (g := self.release(i)) is not None)
+
+    def replace_all(self, grants: Iterable[Grant], *, known: bool = True) -> None:
+        """Start over from `grants` (a checkpoint, a Synchronize)."""
+        self._grants.clear()
+        self._holders.clear()
+        self._by_name.clear()
+        self.known = known
+        for g in grants:
+            self.record(g)
+        self.version += 1
+
+    # ---- the checkpoint's form -------------------------------------------------------
+
+    def to_json(self, boot_id: str) -> str:
+        return json.dumps({"version": CHECKPOINT_VERSION, "boot_id": boot_id,
+                           "grants": [g.to_dict() for g in self.grants()]},
+                          separators=(",", ":")) + "\n"
+
+
+def read_boot_id(path: str = BOOT_ID_PATH) -> str:
+    """This boot's id (the kernel's random boot_id); "" when it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class Checkpoint:
+    """The grants checkpoint file in the state directory."""
+
+    def __init__(self, state_dir: str, *, boot_id: str | None = None) -> None:
+        self.state_dir = state_dir
+        self.path = os.path.join(state_dir, CHECKPOINT_FILE)
+        self.boot_id = read_boot_id() if boot_id is None else boot_id
+
+    def load(self) -> tuple[list[Grant], bool]:
+        """(grants, known): the grants of this boot; ([], True) when there is no
+        checkpoint or it is another boot's; ([], False) when it cannot be read, with an
+        error logged saying why."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(MAX_CHECKPOINT_BYTES + 1)
+        except FileNotFoundError:
+            log.info("checkpoint_absent", path=self.path,
+                     meaning="nothing was granted on this boot")
+            return [], True
+        except OSError as e:
+            log.error("checkpoint_unreadable", path=self.path, error=e.strerror or str(e))
+            return [], False
+        try:
+            if len(data) > MAX_CHECKPOINT_BYTES:
+                raise ValueError(f"larger than {MAX_CHECKPOINT_BYTES} bytes")
+            doc = json.loads(data)
+            if not isinstance(doc, dict) or doc.get("version") != CHECKPOINT_VERSION:
+                raise ValueError(f"not a version {CHECKPOINT_VERSION} checkpoint")
+            if not isinstance(doc.get("grants"), list):
+                raise ValueError("grants must be a list")
+            grants = [Grant.from_dict(g) for g in doc["grants"]]
+        except ValueError as e:
+            log.error("checkpoint_unreadable", path=self.path, error=str(e))
+            return [], False
+        boot = doc.get("boot_id", "")
+        if self.boot_id and boot != self.boot_id:
+            log.info("checkpoint_of_another_boot", path=self.path, grants=len(grants),
+                     meaning="no container survives a reboot: nothing is held")
+            return [], True
+        log.info("checkpoint_loaded", path=self.path, grants=len(grants))
+        return grants, True
+
+    def save(self, text: str) -> None:
+        """Write `text` (Holdings.to_json) atomically. Raises OSError."""
+        os.makedirs(self.state_dir, mode=0o755, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".grants-", dir=self.state_dir)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def boottime() -> float:
+    """Seconds since boot, including suspend: the one clock every process of the node
+    shares that never jumps (CLOCK_BOOTTIME)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+@dataclass(frozen=True, slots=True)
+class NriStatus:
+    """The NRI side's registration as `run` records it for the device plugin
+    (`<state dir>/nri-plugin.json`): written on every change and refreshed every
+    HEARTBEAT seconds while it runs."""
+
+    registered: bool
+    runtime: str = ""  # "containerd v2.3.4"
+    plugin: str = ""  # "40-nri-accel"
+    pid: int = 0
+    heartbeat: float = 0.0  # boottime() of the last write
+
+    HEARTBEAT = 2.0  # seconds between writes while `run` lives
+    STALE = 10.0  # a record older than this means `run` is gone (the grace period)
+
+    def fresh(self, now: float | None = None) -> bool:
+        age = (boottime() if now is None else now) - self.heartbeat
+        return -1.0 <= age <= self.STALE
+
+    def usable(self, now: float | None = None) -> bool:
+        """The NRI side is registered with the runtime and alive."""
+        return self.registered and self.fresh(now)
+
+    def why_not(self, now: float | None = None) -> str:
+        if not self.heartbeat:
+            return "no `nri-accel run` has recorded its state on this node"
+        if not self.fresh(now):
+            return (f"`nri-accel run` (pid {self.pid}) stopped updating its state "
+                    f"{(boottime() if now is None else now) - self.heartbeat:.0f} s ago")
+        if not self.registered:
+            return "`nri-accel run` is not registered with the container runtime"
+        return ""
+
+    def save(self, state_dir: str) -> None:
+        os.makedirs(state_dir, mode=0o755, exist_ok=True)
+        data = {"registered": self.registered, "runtime": self.runtime,
+                "plugin": self.plugin, "pid": self.pid, "heartbeat": self.heartbeat}
+        fd, tmp = tempfile.mkstemp(prefix=".nri-", dir=state_dir)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f)
+            os.replace(tmp, os.path.join(state_dir, NRI_STATUS_FILE))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, state_dir: str) -> NriStatus:
+        """The recorded status; an absent or unreadable record reads as not registered."""
+        try:
+            with open(os.path.join(state_dir, NRI_STATUS_FILE), encoding="utf-8") as f:
+                data: Mapping[str, Any] = json.load(f)
+            return cls(registered=data["registered"] is True, runtime=str(data["runtime"]),
+                       plugin=str(data["plugin"]), pid=int(data["pid"]),
+                       heartbeat=float(data["heartbeat"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls(registered=False)
+
+
+class CheckpointWriter:
+    """Writes the checkpoint after changes, off the event loop, one write at a time:
+    changes made while a write is in flight are written by the next one (so a burst of
+    creates costs a few writes, not one each). `snapshot` returns the grants to write
+    (cheap, taken on the loop); serialising and writing happen in a worker thread."""
+
+    def __init__(self, checkpoint: Checkpoint, snapshot: Callable[[], Iterable[Grant]]) -> None:
+        self.checkpoint = checkpoint
+        self._snapshot = snapshot
+        self._dirty = False
+        self._task: asyncio.Task[None] | None = None
+        self.failures = 0
+
+    def changed(self) -> None:
+        """Something changed: write soon. Call from the event loop."""
+        self._dirty = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def flush(self) -> None:
+        """Wait until what changed so far is written (or failed)."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    async def _drain(self) -> None:
+        while self._dirty:
+            self._dirty = False
+            grants = tuple(self._snapshot())
+            try:
+                await asyncio.to_thread(self._write, grants)
+            except OSError as e:
+                self.failures += 1
+                log.error("checkpoint_write_failed", path=self.checkpoint.path,
+                          error=e.strerror or str(e),
+                          risk="a restart without Synchronize would not know these grants")
+            else:
+                self.failures = 0
+
+    def _write(self, grants: tuple[Grant, ...]) -> None:
+        holdings = Holdings()
+        holdings.replace_all(grants)
+        self.checkpoint.save(holdings.to_json(self.checkpoint.boot_id))

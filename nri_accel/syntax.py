@@ -1,0 +1,164 @@
+"""The syntax shared by every request grammar: device claims, id lists, value checks.
+
+Owns: DeviceClaim (devices of one kind that one source names), ClaimSet (the
+accumulator that refuses conflicting forms), the checks every user-supplied value goes
+through (size, control characters, names shown escaped) and the id-list rules (ids are
+names, never paths; ranges such as 0-3). Imports the standard library,
+nri_accel.errors and nri_accel.inventory (the CDI syntax of kinds and device names, and
+vendor_of). Pure: no I/O.
+
+request.py (annotations) and every vendor profile's env grammar build their claims with
+these pieces, so a limit, a message or an escape rule is written once.
+
+Every value is text from whoever wrote the pod or image: each is at most MAX_VALUE_BYTES,
+control characters are refused (newline only where a grammar uses it as a separator),
+an id list names at most MAX_IDS devices, and every error names its source, a hostile
+key or variable name shown escaped and cut.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from nri_accel.errors import RequestError
+from nri_accel.inventory import DEVICE_NAME_RE, KIND_RE, vendor_of
+
+MAX_VALUE_BYTES = 4096
+MAX_IDS = 256
+MAX_NAME_CHARS = 253  # longest annotation key or variable name shown as it is in a source
+MAX_ID_CHARS = 128
+_MAX_RANGE_DIGITS = 6
+_RANGE_RE = re.compile(r"([0-9]+)-([0-9]+)")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_CONTROL_EXCEPT_NL_RE = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceClaim:
+    """Devices of one kind that one source names.
+
+    Exactly one form: `ids` (as written, ranges expanded, duplicates dropped, order
+    kept), `count` (N devices the allocator picks) or `all`. A limit with `count` means
+    "at most N of the devices granted for that vendor" (inventory.vendor_of: the part of
+    the kind before "/", so nvidia.com covers GPUs and MIG devices).
+    """
+
+    kind: str  # "nvidia.com/gpu", "aws.amazon.com/neuron", "vendor/class"
+    ids: tuple[str, ...] = ()
+    count: int | None = None
+    all: bool = False
+    source: str = ""  # 'annotation devices.nri-accel.io/pod', 'env NVIDIA_VISIBLE_DEVICES'
+    cdi: bool = False  # a CDI request (cdi.k8s.io, ...): handed on as a CDI name with passthrough
+
+    @property
+    def vendor(self) -> str:
+        return vendor_of(self.kind)
+
+
+def claim_order(c: DeviceClaim) -> tuple[str, str, tuple[str, ...]]:
+    """The deterministic order of claims: kind, source, ids."""
+    return (c.kind, c.source, c.ids)
+
+
+def named(what: str, name: str) -> str:
+    """The source naming annotation key or variable `name` ("annotation cdi.k8s.io/x").
+    Sources are logged and sent back to the runtime: a name with control characters or
+    longer than MAX_NAME_CHARS is shown escaped and cut."""
+    if len(name) <= MAX_NAME_CHARS and not _CONTROL_RE.search(name):
+        return f"{what} {name}"
+    return f"{what} {name[:64]!r}..."
+
+
+def bad_name(name: str) -> bool:
+    """A key or variable name that named() would have to escape or cut."""
+    return len(name) > MAX_NAME_CHARS or bool(_CONTROL_RE.search(name))
+
+
+def check_text(value: str, source: str, *, newlines: bool = False) -> None:
+    """Refuse values over MAX_VALUE_BYTES and control characters (newline only where
+    the grammar uses it as a separator)."""
+    if len(value) > MAX_VALUE_BYTES or len(value.encode("utf-8", "replace")) > MAX_VALUE_BYTES:
+        raise RequestError(f"value is longer than {MAX_VALUE_BYTES} bytes", source=source)
+    if (_CONTROL_EXCEPT_NL_RE if newlines else _CONTROL_RE).search(value):
+        raise RequestError("control characters are not allowed", source=source)
+
+
+def check_kind(kind: str, source: str) -> str:
+    if not KIND_RE.fullmatch(kind):
+        raise RequestError(f"invalid device kind {kind!r}: expected vendor/class such as "
+                           "nvidia.com/gpu", source=source)
+    return kind
+
+
+def check_id(ident: str, source: str, extra: re.Pattern[str] | None = None) -> str:
+    """A device id: a name in CDI's device-name syntax of at most MAX_ID_CHARS (index,
+    UUID, PCI bus id, "0:1", CDI name), or a match of `extra` (a family's own id form,
+    such as NVIDIA's legacy MIG-GPU-<uuid>/<gi>/<ci>). Never a path."""
+    if not ident:
+        raise RequestError("empty device id", source=source)
+    if not ((len(ident) <= MAX_ID_CHARS and DEVICE_NAME_RE.fullmatch(ident))
+            or (extra is not None and extra.fullmatch(ident))):
+        raise RequestError(f"invalid device id {ident!r}: ids are names such as 0, "
+                           "GPU-<uuid>, 0:1 or 0000:3b:00.0, never paths", source=source)
+    return ident
+
+
+class ClaimSet:
+    """Accumulates one source's claims per kind and refuses conflicting forms."""
+
+    def __init__(self, source: str, *, cdi: bool = False) -> None:
+        self.source = source
+        self.cdi = cdi
+        self.ids: dict[str, dict[str, None]] = {}
+        self.counts: dict[str, int] = {}
+        self.alls: set[str] = set()
+        self.n_ids = 0
+
+    def add_id(self, kind: str, ident: str) -> None:
+        if ident == "all":
+            if self.ids.get(kind) or kind in self.counts:
+                self._conflict(kind)
+            self.alls.add(kind)
+            return
+        if kind in self.alls or kind in self.counts:
+            self._conflict(kind)
+        ids = self.ids.setdefault(kind, {})
+        if ident not in ids:
+            self.n_ids += 1
+            if self.n_ids > MAX_IDS:
+                raise RequestError(f"more than {MAX_IDS} device ids", source=self.source)
+            ids[ident] = None
+
+    def add_ids(self, kind: str, token: str, extra: re.Pattern[str] | None = None) -> None:
+        """An id, "all", or a range "first-last" of indices (at most MAX_IDS of them)."""
+        m = _RANGE_RE.fullmatch(token)
+        if m is None:
+            self.add_id(kind, token if token == "all" else check_id(token, self.source, extra))
+            return
+        if max(len(m.group(1)), len(m.group(2))) > _MAX_RANGE_DIGITS:
+            raise RequestError(f"range {token[:32]!r} is too large", source=self.source)
+        first, last = int(m.group(1)), int(m.group(2))
+        if first > last:
+            raise RequestError(f"reversed range {token!r}", source=self.source)
+        if last - first >= MAX_IDS:
+            raise RequestError(f"range {token!r} names more than {MAX_IDS} devices",
+                               source=self.source)
+        for n in range(first, last + 1):
+            self.add_id(kind, str(n))
+
+    def add_count(self, kind: str, count: int) -> None:
+        if self.ids.get(kind) or kind in self.alls or self.counts.get(kind, count) != count:
+            self._conflict(kind)
+        self.counts[kind] = count
+
+    def _conflict(self, kind: str) -> None:
+        raise RequestError(f"{kind} is requested in conflicting forms (ids, 'all' and a "
+                           "count exclude each other)", source=self.source)
+
+    def claims(self) -> tuple[DeviceClaim, ...]:
+        out = [DeviceClaim(k, ids=tuple(v), source=self.source, cdi=self.cdi)
+               for k, v in self.ids.items()]
+        out += [DeviceClaim(k, count=n, source=self.source) for k, n in self.counts.items()]
+        out += [DeviceClaim(k, all=True, source=self.source, cdi=self.cdi) for k in self.alls]
+        return tuple(sorted(out, key=claim_order))

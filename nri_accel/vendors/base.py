@@ -1,0 +1,275 @@
+"""The vendor profile interface: what an accelerator family owns, and the types it uses.
+
+Owns: Profile (the base class every family subclasses), EnvAsk and EnvSource (what a
+family reads from a container's env), FamilyEdits (what a family adds for a selection)
+and the DriverFiles view of the edits catalog a family reads. Imports the standard
+library, nri_accel.config (types), nri_accel.errors, nri_accel.inventory,
+nri_accel.syntax and nri_accel.discover.base (Found). Pure, except discover() and
+probe(), which read the host through a HostRoot.
+
+A family is everything nri-accel knows about one kind of accelerator. The generic stages
+(discover, request, policy, select, edits, the device plugin, explain) loop over the
+registered profiles and ask each only about its own devices; nothing outside a family's
+module names its kinds, its variables or its rules. The NVIDIA profile
+(nri_accel/vendors/nvidia) is the worked example of every hook:
+
+discovery (start-up and refresh; I/O only through the HostRoot)
+  discover(root, config) -> Found
+      The family's devices (kind, name, stable identity in uuid or pci_bus_id, device
+      nodes taken with lstat, NUMA node, links, health), its Driver (shared edits by
+      capability: NVIDIA's "" holds /dev/nvidiactl, "compute" the CUDA libraries) and a
+      Problem for everything it could not do. Never raises for a missing driver.
+  probe(root, config) -> list of (path, state)
+      What changes when the node changes (driver version files, the family's /dev
+      entries with their lstat identity, NVIDIA's MIG capability tree); the refresher
+      rediscovers when any entry moves.
+  native
+      True for families with their own discoverer: their kinds are served by them alone
+      (a CDI spec for nvidia.com/gpu is then ignored). False for the generic CDI family.
+
+requests (the hot path: pure, memoised by the caller)
+  env_names, env_prefixes
+      The environment variables the family reads. No other variable is ever looked at.
+  read_env(env) -> EnvAsk
+      The family's env grammar: NVIDIA_VISIBLE_DEVICES=all|none|void|0,1|GPU-..., NV_GPU,
+      NVIDIA_DRIVER_CAPABILITIES, NVIDIA_REQUIRE_*, NVIDIA_MIG_*; each device request an
+      EnvSource of claims (trust is the policy's business, not the family's), each ask
+      only a granting source may make listed in `privileged`, the rest of what it read
+      in `options` (hashable: it keys memos). RequestError names the variable.
+  option_key, settings(ask, annotation) -> options
+      An annotation the family reads with NRI's precedence (NVIDIA: the capabilities
+      annotation, which wins over NVIDIA_DRIVER_CAPABILITIES) and how it combines with
+      the env's options.
+  id_pattern
+      An id form beyond CDI's device-name syntax (NVIDIA: legacy MIG-GPU-<uuid>/<gi>/<ci>).
+
+selection (pure, over the inventory's tables)
+  members
+      kind -> the kinds its ids and `all` cover (NVIDIA: a nvidia.com/gpu id may name a
+      MIG device, and nvidia.com/gpu=all means every GPU and MIG device).
+  countable(device)
+      Whether a count may choose this healthy device (NVIDIA: not a GPU in MIG mode).
+  refuse_named(device, options, index) -> reason or ""
+      Why a device may not be granted when named (NVIDIA: a GPU in MIG mode, whose MIG
+      devices are what a workload can use).
+  check(devices, specific, options, index)
+      The family's rules over the whole selection (NVIDIA: MIG capabilities beside
+      specific MIG devices, NVIDIA_REQUIRE_* against each granted GPU). Raises
+      RequestError naming the variable or annotation.
+
+edits (pure, over the checked catalog)
+  edits(devices, options, drivers_only, files) -> FamilyEdits
+      What the container needs for the family's granted devices beyond their own nodes:
+      driver files by capability, the env the family's software reads
+      (NVIDIA_VISIBLE_DEVICES=<uuids>, AWS_NEURON_VISIBLE_DEVICES, HABANA_VISIBLE_MODULES,
+      ...), library directories for LD_LIBRARY_PATH, notes and facts for the log line.
+      The default gives each used driver's "" edits.
+  tables(inventory) -> anything
+      What the family computes once per inventory for edits() (Neuron: each device's
+      first NeuronCore in the node-wide numbering), handed back as files.table(name).
+  visibility = (variable, value granting nothing, or None to unset it)
+      The variable a co-installed vendor hook would read (NVIDIA_VISIBLE_DEVICES, "void";
+      the legacy NVIDIA rule grants every GPU when it is unset, so it is set, never
+      removed): rewritten when the container's env sets it and the family got no
+      device, so no other hook can widen what nri-accel granted.
+
+device plugin and display
+  resources(device, config) -> resource names under which kubelet sees the device
+      (none: deliberately not advertised; ValueError: cannot be, with the reason)
+  partition(device, inventory) -> how a device is partitioned, for `discover`'s MIG
+      column (NVIDIA: "enabled, 3 instances", a MIG device's profile and ids)
+
+Adding a family: write nri_accel/vendors/<family>.py with a Profile subclass (a module
+docstring citing the upstream sources of every fact), add one line to PROFILES in
+nri_accel/vendors/__init__.py, add a fake root under tests/fakes/roots/<name>/ with a
+README saying what real node it stands for, and tests of its discovery and env grammar.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from nri_accel.discover.base import Found
+from nri_accel.errors import AllocationError
+from nri_accel.inventory import ContainerEdits, Device
+from nri_accel.syntax import DeviceClaim
+
+if TYPE_CHECKING:
+    from nri_accel.config import Config, DevicePluginConfig
+    from nri_accel.discover.hostroot import HostRoot
+
+BASE = ""  # the Driver capability every container using the driver gets
+_NO_EDITS = ContainerEdits()
+
+
+@dataclass(frozen=True, slots=True)
+class EnvSource:
+    """One env variable's device request, before the trust policy."""
+
+    name: str  # "env NVIDIA_VISIBLE_DEVICES"
+    claims: tuple[DeviceClaim, ...]
+    text: str  # the value, for notes
+    drivers_only: bool = False  # the family's driver files and no device (NVIDIA "none")
+
+
+@dataclass(frozen=True, slots=True)
+class EnvAsk:
+    """What a family read from one container's env (memoised per env)."""
+
+    sources: tuple[EnvSource, ...] = ()
+    privileged: tuple[str, ...] = ()  # sources of asks only a granting origin may make
+    options: Hashable = None  # the family's own reading, handed to settings()
+    visible: bool = False  # the env sets the family's visibility variable (or implies it)
+
+
+NO_ASK = EnvAsk()
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyEdits:
+    """What a family adds to a container for its granted devices, beyond their nodes."""
+
+    parts: tuple[ContainerEdits, ...] = ()  # driver files, merged in this order
+    env: tuple[tuple[str, str], ...] = ()  # variables the family sets
+    defaults: tuple[tuple[str, str], ...] = ()  # set only where the container does not
+    lib_dirs: tuple[str, ...] = ()  # container directories of mounted libraries
+    notes: tuple[str, ...] = ()
+    facts: tuple[tuple[str, str], ...] = ()  # for the log line and explain
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """One device's or driver capability's edits after the safety checks: either the
+    edits or why they may not be emitted."""
+
+    edits: ContainerEdits = _NO_EDITS
+    refused: str = ""  # why these edits may not be emitted
+    lib_dirs: tuple[str, ...] = ()  # container dirs holding mounted shared libraries
+    dropped_hooks: int = 0  # hooks left out because devices.hooks is off
+
+
+@dataclass(frozen=True, slots=True)
+class DriverFiles:
+    """The checked driver edits of one inventory, as families read them: (driver vendor,
+    capability) -> Checked; and each family's tables() of that inventory."""
+
+    checked: Mapping[tuple[str, str], Checked] = field(
+        default_factory=lambda: MappingProxyType({}))
+    tables: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def table(self, family: str) -> Any:
+        return self.tables.get(family)
+
+    def capabilities(self, vendor: str) -> frozenset[str]:
+        """The capabilities the driver `vendor` has files for (BASE included)."""
+        return frozenset(cap for v, cap in self.checked if v == vendor)
+
+    def take(self, vendor: str, cap: str, notes: list[str]) -> tuple[ContainerEdits,
+                                                                     tuple[str, ...]]:
+        """The edits of `vendor`'s capability `cap` and their library directories (empty
+        when the driver has none); AllocationError when they were refused."""
+        checked = self.checked.get((vendor, cap))
+        if checked is None:
+            return ContainerEdits(), ()
+        where = f"driver {vendor}" + (f" capability {cap}" if cap else "")
+        return take(checked, where, notes), checked.lib_dirs
+
+
+def take(checked: Checked, source: str, notes: list[str]) -> ContainerEdits:
+    """Checked edits, or AllocationError naming `source` when they were refused; a note
+    when hooks were left out."""
+    if checked.refused:
+        raise AllocationError(f"refused the inventory's edits: {checked.refused}", source=source)
+    if checked.dropped_hooks:
+        notes.append(f"{source}: {checked.dropped_hooks} hook(s) not emitted "
+                     "(devices.hooks is off)")
+    return checked.edits
+
+
+class Profile:
+    """One accelerator family. Subclasses set the class attributes and override the
+    hooks they need; the defaults describe a family of plain devices (every node its
+    own, no env grammar, no rules)."""
+
+    name: ClassVar[str] = ""  # the family: Device.vendor and Driver.vendor of its devices
+    kinds: ClassVar[tuple[str, ...]] = ()  # kinds it discovers
+    native: ClassVar[bool] = True
+    env_names: ClassVar[frozenset[str]] = frozenset()
+    env_prefixes: ClassVar[tuple[str, ...]] = ()
+    option_key: ClassVar[str] = ""
+    id_pattern: ClassVar[re.Pattern[str] | None] = None
+    members: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
+    visibility: ClassVar[tuple[str, str | None] | None] = None
+
+    # ---- discovery ------------------------------------------------------------------
+
+    def discover(self, root: HostRoot, config: Config) -> Found:
+        return Found()
+
+    def probe(self, root: HostRoot, config: Config) -> list[tuple[str, Any]]:
+        return []
+
+    # ---- requests -------------------------------------------------------------------
+
+    def read_env(self, env: Mapping[str, str]) -> EnvAsk:
+        return NO_ASK
+
+    def read_option(self, value: str, source: str) -> Hashable:
+        """The family's annotation (option_key) parsed; RequestError names `source`."""
+        return None
+
+    def settings(self, ask: EnvAsk, option: Hashable) -> Hashable:
+        """The options select() and edits() see, from the env's reading and the
+        annotation's (None when the pod does not set it)."""
+        return ask.options
+
+    # ---- selection ------------------------------------------------------------------
+
+    def countable(self, device: Device) -> bool:
+        return True
+
+    def refuse_named(self, device: Device, options: Hashable, inventory: Any) -> str:
+        return ""
+
+    def check(self, devices: Sequence[Device], specific: Sequence[Device], options: Hashable,
+              inventory: Any) -> None:
+        """`devices`: the family's granted devices; `specific`: those of them named or
+        counted (not only reached through `all`)."""
+
+    # ---- edits ----------------------------------------------------------------------
+
+    def tables(self, inventory: Any) -> Any:
+        return None
+
+    def edits(self, devices: Sequence[Device], options: Hashable, drivers_only: bool,
+              files: DriverFiles) -> FamilyEdits:
+        notes: list[str] = []
+        parts = tuple(files.take(vendor, BASE, notes)[0]
+                      for vendor in dict.fromkeys(d.vendor for d in devices if d.vendor))
+        return FamilyEdits(parts=parts, notes=tuple(notes))
+
+    # ---- device plugin --------------------------------------------------------------
+
+    def resources(self, device: Device, config: DevicePluginConfig) -> tuple[str, ...]:
+        return (device.kind,)
+
+    def partition(self, device: Device, inventory: Any) -> str:
+        return ""
+
+
+def joined_ranges(numbers: Iterable[int]) -> str:
+    """Sorted, de-duplicated numbers as ranges "a-b" joined by commas ("0-3,6")."""
+    ids = sorted(set(numbers))
+    out: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)

@@ -1,0 +1,428 @@
+"""The NVIDIA family: GPUs and MIG devices, the worked example of a vendor profile.
+
+Owns: the NVIDIA kinds, the NVIDIA env grammar (NVIDIA_VISIBLE_DEVICES, NV_GPU,
+NVIDIA_DRIVER_CAPABILITIES and the capabilities annotation, NVIDIA_REQUIRE_* through
+.requirements, NVIDIA_MIG_CONFIG_DEVICES, NVIDIA_MIG_MONITOR_DEVICES), the MIG selection
+rules, the env and driver files a selection brings, and the device plugin's NVIDIA
+resource names. Discovery lives in .discover (NVML through nri_accel.discover.nvml),
+imported only when the node is discovered. Imports the standard library,
+nri_accel.errors, nri_accel.inventory, nri_accel.syntax, nri_accel.vendors.base and this
+package's requirements; pure except discover() and probe().
+
+The env grammar follows nvidia-container-toolkit (internal/config/image) and
+libnvidia-container:
+
+- NVIDIA_VISIBLE_DEVICES: comma-separated, blanks trimmed, empty tokens skipped; void
+  (or empty, or unset) means no GPU and no driver, none means the driver without a GPU,
+  all means every GPU, with void > none > all when mixed; otherwise indices, GPU-/MIG-
+  UUIDs, PCI bus ids, "gpu:mig" pairs, or CDI qualified names (as the toolkit accepts in
+  CDI mode). Unset in a legacy image (CUDA_VERSION without NVIDIA_REQUIRE_CUDA) means all.
+  NV_GPU (nvidia-docker 2: ids separated by blanks or commas) is read when
+  NVIDIA_VISIBLE_DEVICES is unset.
+- NVIDIA_DRIVER_CAPABILITIES (or the capabilities.nri-accel.io annotation, which wins):
+  comma-separated capabilities; empty means utility,compute; all means every one;
+  unknown names are refused. Unset in a legacy image means all.
+- NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES: "" asks nothing, "all" asks for
+  the capability, anything else is refused (migCapsDevices.Validate). Only a source that
+  may grant devices may ask them (the toolkit: a privileged container).
+
+Selection (libnvidia-container select_devices): a nvidia.com/gpu id may name a MIG device
+and nvidia.com/gpu=all is every healthy GPU and MIG device; a GPU in MIG mode is never
+counted and is refused when named, except for a container asking for MIG config or
+monitor capabilities, which in turn are refused beside specific MIG devices; every
+granted GPU or MIG device (a MIG device has its parent's arch and brand) must satisfy
+NVIDIA_REQUIRE_*, and with NVIDIA_VISIBLE_DEVICES=none the driver facts alone are checked.
+
+Edits: the driver's "" files, the files of each requested capability the driver has
+(64-bit before compat32, so LD_LIBRARY_PATH lists lib64 first), mig-config/mig-monitor
+when asked, NVIDIA_VISIBLE_DEVICES rewritten to the UUIDs injected ("none" for the
+driver alone, "void" when the image asked and nothing was granted) and
+NVIDIA_DRIVER_CAPABILITIES to the capabilities given.
+
+Device plugin: nvidia.com/gpu for whole GPUs not in MIG mode, nvidia.com/mig-<profile>
+for MIG devices (nvidia.com/mig-1g.10gb.me for the media-extension profile 1g.10gb+me).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from nri_accel.errors import RequestError
+from nri_accel.inventory import Device
+from nri_accel.syntax import ClaimSet, DeviceClaim, check_id, check_kind, check_text
+from nri_accel.vendors.base import (
+    BASE,
+    DriverFiles,
+    EnvAsk,
+    EnvSource,
+    FamilyEdits,
+    Profile,
+)
+from nri_accel.vendors.nvidia.requirements import (
+    CUDA_VERSION,
+    DISABLE_REQUIRE,
+    REQUIRE_PREFIX,
+    Requirements,
+    legacy_cuda_image,
+    requirements_from_env,
+)
+
+if TYPE_CHECKING:
+    from nri_accel.config import Config, DevicePluginConfig
+    from nri_accel.discover.base import Found
+    from nri_accel.discover.hostroot import HostRoot
+
+VENDOR = "nvidia"
+KIND_GPU = "nvidia.com/gpu"
+KIND_MIG = "nvidia.com/mig"
+
+ENV_VISIBLE = "NVIDIA_VISIBLE_DEVICES"
+ENV_NV_GPU = "NV_GPU"
+ENV_CAPABILITIES = "NVIDIA_DRIVER_CAPABILITIES"
+ENV_MIG_CONFIG = "NVIDIA_MIG_CONFIG_DEVICES"
+ENV_MIG_MONITOR = "NVIDIA_MIG_MONITOR_DEVICES"
+CAPABILITIES_KEY = "capabilities.nri-accel.io"
+
+# libnvidia-container / nvidia-container-toolkit driver capabilities.
+ALL_CAPABILITIES = frozenset(
+    {"compute", "compat32", "graphics", "utility", "video", "display", "ngx"})
+DEFAULT_CAPABILITIES = frozenset({"utility", "compute"})
+CAPABILITY_ORDER = ("utility", "compute", "video", "graphics", "display", "ngx", "compat32")
+MIG_CONFIG = "mig-config"  # Driver capabilities that are not driver capabilities of a
+MIG_MONITOR = "mig-monitor"  # request: the MIG management nodes
+NOT_CAPABILITIES = frozenset({BASE, MIG_CONFIG, MIG_MONITOR})
+
+# The one id with '/': R450-era MIG UUIDs, MIG-GPU-<gpu uuid>/<gi>/<ci>.
+LEGACY_MIG_RE = re.compile(r"MIG-GPU-[0-9A-Fa-f-]{36}/[0-9]{1,3}/[0-9]{1,3}")
+_MAX_LISTED = 16
+
+
+def mig_enabled(device: Device) -> bool:
+    """A GPU in MIG mode: only its MIG devices are usable by a workload."""
+    return device.kind == KIND_GPU and device.attributes.get("mig_mode") == "enabled"
+
+
+@dataclass(frozen=True, slots=True)
+class EnvOptions:
+    """What the NVIDIA env says beyond device requests (memoised with the env)."""
+
+    capabilities: tuple[str, str] | None = None  # (source, value) of the env variable
+    requirements: Requirements | None = None
+    legacy: bool = False  # CUDA_VERSION without NVIDIA_REQUIRE_CUDA
+    mig_config: bool = False
+    mig_monitor: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """What select() and edits() see of a container's NVIDIA settings."""
+
+    capabilities: frozenset[str] = DEFAULT_CAPABILITIES
+    capabilities_source: str = ""  # "" = the default (utility,compute)
+    # Left out of the hash (options key the edits memo, which requirements do not
+    # change, and hashing them costs more than comparing the memoised object itself).
+    requirements: Requirements | None = field(default=None, hash=False)
+    mig_config: bool = False
+    mig_monitor: bool = False
+
+
+DEFAULT_OPTIONS = Options()
+
+
+class NvidiaProfile(Profile):
+    name = VENDOR
+    kinds = (KIND_GPU, KIND_MIG)
+    env_names = frozenset({ENV_VISIBLE, ENV_NV_GPU, ENV_CAPABILITIES, ENV_MIG_CONFIG,
+                           ENV_MIG_MONITOR, CUDA_VERSION, DISABLE_REQUIRE})
+    env_prefixes = (REQUIRE_PREFIX,)
+    option_key = CAPABILITIES_KEY
+    id_pattern = LEGACY_MIG_RE
+    members = MappingProxyType({KIND_GPU: (KIND_GPU, KIND_MIG)})
+    visibility = (ENV_VISIBLE, "void")
+
+    # ---- discovery ------------------------------------------------------------------
+
+    def discover(self, root: HostRoot, config: Config) -> Found:
+        from nri_accel.vendors.nvidia.discover import discover_nvidia
+
+        return discover_nvidia(root)
+
+    def probe(self, root: HostRoot, config: Config) -> list[tuple[str, Any]]:
+        from nri_accel.vendors.nvidia.discover import probe
+
+        return probe(root)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def read_env(self, env: Mapping[str, str]) -> EnvAsk:
+        visible = _visible_devices(env)
+        caps = env.get(ENV_CAPABILITIES)
+        options = EnvOptions(
+            capabilities=None if caps is None else (f"env {ENV_CAPABILITIES}", caps),
+            requirements=requirements_from_env(env),
+            legacy=legacy_cuda_image(env),
+            mig_config=_mig_caps(env, ENV_MIG_CONFIG),
+            mig_monitor=_mig_caps(env, ENV_MIG_MONITOR),
+        )
+        privileged = tuple(f"env {var}" for var, asked in (
+            (ENV_MIG_CONFIG, options.mig_config), (ENV_MIG_MONITOR, options.mig_monitor))
+            if asked)
+        return EnvAsk(sources=(visible,) if visible is not None else (),
+                      privileged=privileged, options=options,
+                      visible=ENV_VISIBLE in env or ENV_NV_GPU in env or options.legacy)
+
+    def read_option(self, value: str, source: str) -> Hashable:
+        return parse_capabilities(value, source)
+
+    def settings(self, ask: EnvAsk, option: Hashable) -> Hashable:
+        env = ask.options if isinstance(ask.options, EnvOptions) else EnvOptions()
+        if option is not None:
+            caps, source = option  # type: ignore[misc]
+        elif env.capabilities is not None:
+            caps, source = parse_capabilities(env.capabilities[1], env.capabilities[0])
+        elif env.legacy:
+            caps, source = ALL_CAPABILITIES, f"env {CUDA_VERSION} (legacy image: all capabilities)"
+        else:
+            caps, source = DEFAULT_CAPABILITIES, ""
+        if (caps, source) == (DEFAULT_CAPABILITIES, "") and env == EnvOptions():
+            return DEFAULT_OPTIONS
+        return Options(capabilities=caps, capabilities_source=source,
+                       requirements=env.requirements, mig_config=env.mig_config,
+                       mig_monitor=env.mig_monitor)
+
+    # ---- selection ------------------------------------------------------------------
+
+    def countable(self, device: Device) -> bool:
+        return not mig_enabled(device)
+
+    def refuse_named(self, device: Device, options: Hashable, index: Any) -> str:
+        opts = _options(options)
+        if not mig_enabled(device) or opts.mig_config or opts.mig_monitor:
+            return ""
+        migs = [d.qualified_name for d in index.inventory.of_kind(KIND_MIG)
+                if d.parent == device.name]
+        hint = f" ({', '.join(migs)})" if migs else " (it has none configured)"
+        return (f"{device.qualified_name} is in MIG mode: request its MIG devices{hint} "
+                "instead of the whole GPU")
+
+    def check(self, devices: Sequence[Device], specific: Sequence[Device], options: Hashable,
+              index: Any) -> None:
+        opts = _options(options)
+        if opts.mig_config or opts.mig_monitor:
+            _refuse_mig_caps_beside_mig_devices(opts, specific)
+        if opts.requirements is not None:
+            _check_requirements(index, opts.requirements, devices)
+
+    # ---- edits ----------------------------------------------------------------------
+
+    def edits(self, devices: Sequence[Device], options: Hashable, drivers_only: bool,
+              files: DriverFiles) -> FamilyEdits:
+        opts = _options(options)
+        notes: list[str] = []
+        lib_dirs: dict[str, None] = {}
+        parts = []
+
+        def add(cap: str) -> None:
+            edits, dirs = files.take(VENDOR, cap, notes)
+            parts.append(edits)
+            lib_dirs.update(dict.fromkeys(dirs))
+
+        add(BASE)
+        caps: tuple[str, ...] = ()
+        have = files.capabilities(VENDOR)
+        if have:
+            wanted = opts.capabilities - NOT_CAPABILITIES
+            missing = sorted(wanted - have)
+            if missing:
+                notes.append("driver capabilities with no files on this node: "
+                             f"{', '.join(missing)}")
+            caps = tuple(sorted(wanted & have, key=_capability_order))
+        else:
+            notes.append("no NVIDIA driver files on this node: only device nodes and env")
+        for cap in caps:
+            add(cap)
+        if opts.mig_config:
+            add(MIG_CONFIG)
+        if opts.mig_monitor:
+            add(MIG_MONITOR)
+        env = [(ENV_VISIBLE, ",".join(d.uuid or d.name for d in devices) or "none")]
+        if caps:
+            env.append((ENV_CAPABILITIES, ",".join(sorted(caps))))
+        facts = (("capabilities", ",".join(sorted(opts.capabilities))),)
+        return FamilyEdits(parts=tuple(parts), env=tuple(env), lib_dirs=tuple(lib_dirs),
+                           notes=tuple(notes), facts=facts)
+
+    # ---- device plugin --------------------------------------------------------------
+
+    def resources(self, device: Device, config: DevicePluginConfig) -> tuple[str, ...]:
+        if mig_enabled(device):
+            return ()  # granted as its MIG devices only
+        if device.kind == KIND_MIG:
+            profile = device.attributes.get("mig_profile", "")
+            if not profile:
+                raise ValueError("MIG device without a mig_profile attribute")
+            # A profile's "+" (the media extension "1g.10gb+me") cannot appear in a
+            # resource name: it becomes ".", nvidia.com/mig-1g.10gb.me.
+            return ("nvidia.com/mig-" + profile.replace("+", "."),)
+        return (device.kind,)
+
+
+    def partition(self, device: Device, inventory: Any) -> str:
+        a = device.attributes
+        if device.kind == KIND_MIG:
+            ids = "/".join(f"{k[:2]}{a[k]}" for k in ("gi_id", "ci_id") if k in a)
+            text = " ".join(x for x in (a.get("mig_profile", ""), ids) if x)
+            return " ".join(x for x in (text, f"(gpu {device.parent})" if device.parent
+                                        else "") if x)
+        mode = a.get("mig_mode", "")
+        if mode == "enabled":
+            n = sum(1 for m in inventory.of_kind(KIND_MIG) if m.parent == device.name)
+            return f"enabled, {n} instance{'s' if n != 1 else ''}"
+        return mode
+
+
+PROFILE = NvidiaProfile()
+
+
+def _options(options: Hashable) -> Options:
+    return options if isinstance(options, Options) else DEFAULT_OPTIONS
+
+
+def _capability_order(cap: str) -> tuple[int, str]:
+    """The order capabilities' files are merged in: 64-bit before compat32, so that
+    LD_LIBRARY_PATH lists lib64 first."""
+    return (CAPABILITY_ORDER.index(cap) if cap in CAPABILITY_ORDER else len(CAPABILITY_ORDER),
+            cap)
+
+
+# ---- env grammar ---------------------------------------------------------------------
+
+
+def _visible_devices(env: Mapping[str, str]) -> EnvSource | None:
+    """NVIDIA_VISIBLE_DEVICES (else NV_GPU, else the legacy default) as a device request."""
+    if ENV_VISIBLE in env:
+        var, value = ENV_VISIBLE, env[ENV_VISIBLE]
+        tokens = value.split(",")
+    elif env.get(ENV_NV_GPU, "").strip():
+        var, value = ENV_NV_GPU, env[ENV_NV_GPU]
+        tokens = value.replace(" ", ",").split(",")
+    elif legacy_cuda_image(env):
+        return EnvSource(f"env {ENV_VISIBLE}", (DeviceClaim(
+            KIND_GPU, all=True, source=f"env {ENV_VISIBLE} (unset in a legacy CUDA image)"),),
+            "(unset, legacy CUDA_VERSION image)")
+    else:
+        return None
+    name = f"env {var}"
+    tokens = [t.strip() for t in tokens if t.strip()]
+    if not tokens or "void" in tokens:
+        return None
+    if "none" in tokens:
+        return EnvSource(name, (), value, drivers_only=True)
+    if "all" in tokens:
+        return EnvSource(name, (DeviceClaim(KIND_GPU, all=True, source=name),), value)
+    acc = ClaimSet(name)
+    for token in tokens:
+        kind, eq, ident = token.partition("=")
+        if eq:  # a CDI qualified name, as the toolkit accepts in CDI mode
+            acc.add_id(check_kind(kind, name), check_id(ident, name, LEGACY_MIG_RE))
+        else:
+            acc.add_id(KIND_GPU, check_id(token, name, LEGACY_MIG_RE))
+    return EnvSource(name, acc.claims(), value)
+
+
+@lru_cache(maxsize=256)
+def parse_capabilities(value: str, source: str) -> tuple[frozenset[str], str]:
+    """Toolkit semantics (cmd/nvidia-container-runtime-hook getDriverCapabilities): comma
+    separated, blanks trimmed; empty -> utility,compute; "all" -> every capability;
+    unknown names are refused."""
+    check_text(value, source)
+    names = {t.strip() for t in value.split(",")} - {""}
+    if not names:
+        return DEFAULT_CAPABILITIES, source
+    unknown = sorted(names - ALL_CAPABILITIES - {"all"})
+    if unknown:
+        raise RequestError(f"unknown driver capabilities {', '.join(unknown)} (known: all, "
+                           f"{', '.join(sorted(ALL_CAPABILITIES))})", source=source)
+    return (ALL_CAPABILITIES if "all" in names else frozenset(names)), source
+
+
+def _mig_caps(env: Mapping[str, str], var: str) -> bool:
+    """NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES: "" asks nothing, "all" asks
+    for the capability, other values are refused, as in nvidia-container-toolkit
+    (migCapsDevices.Validate)."""
+    value = env.get(var, "")
+    if value not in ("", "all"):
+        raise RequestError(f"only 'all' is supported, not {value!r}", source=f"env {var}")
+    return value == "all"
+
+
+# ---- selection rules -------------------------------------------------------------------
+
+
+def _refuse_mig_caps_beside_mig_devices(opts: Options, specific: Sequence[Device]) -> None:
+    """NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES act on whole GPUs: refused
+    when the container gets specific MIG devices (named, counted, or what a narrowing
+    request left of `all`), as nvidia-container-toolkit's migCapsDevices.Validate does."""
+    migs = sorted(d.qualified_name for d in specific if d.kind == KIND_MIG)
+    if migs:
+        var = ENV_MIG_CONFIG if opts.mig_config else ENV_MIG_MONITOR
+        shown = ", ".join(migs[:_MAX_LISTED])
+        raise RequestError(f"cannot be combined with specific MIG devices ({shown}): the MIG "
+                           "configuration and monitoring capabilities act on whole GPUs; "
+                           "request whole GPUs or all", source=f"env {var}")
+
+
+def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device]) -> None:
+    """NVIDIA_REQUIRE_*: every granted GPU or MIG device must satisfy them; with no GPU
+    (NVIDIA_VISIBLE_DEVICES=none) only the driver facts are checked. RequestError names
+    the variable that fails."""
+    if not devices:
+        failed = _unsatisfied(index, reqs, None)
+        if failed is not None:
+            raise RequestError(f"the driver: {failed[1]}", source=failed[0])
+        return
+    for d in devices:
+        failed = _unsatisfied(index, reqs, d)
+        if failed is not None:
+            raise RequestError(f"{d.qualified_name}: {failed[1]}", source=failed[0])
+
+
+_MEMO_SIZE = 4096  # requirement checks remembered per inventory before starting over
+
+
+def _unsatisfied(index: Any, reqs: Requirements, device: Device | None
+                 ) -> tuple[str, str] | None:
+    """reqs.unsatisfied() for `device`'s facts, remembered per (requirements, device) in
+    the inventory's index: images repeat the same requirements and the facts do not
+    change."""
+    memo: dict[Any, tuple[str, str] | None] = index.memo(VENDOR)
+    # Keyed by the variables' text (str hashes are cached; the dataclass's are not).
+    key = (tuple((r.source, r.text) for r in reqs.items),
+           -1 if device is None else index.position(device))
+    try:
+        return memo[key]
+    except KeyError:
+        pass
+    result = reqs.unsatisfied(_facts(index, device))
+    if len(memo) >= _MEMO_SIZE:
+        memo.clear()
+    memo[key] = result
+    return result
+
+
+def _facts(index: Any, device: Device | None) -> dict[str, str]:
+    """What NVIDIA_REQUIRE_* compares for `device` (None: the driver alone)."""
+    driver = index.inventory.driver(VENDOR)
+    facts = {"cuda": driver.cuda_version if driver else "",
+             "driver": driver.version if driver else ""}
+    if device is not None:
+        parent = index.inventory.find(KIND_GPU, device.parent) if device.parent else None
+        for key, attr in (("arch", "compute_capability"), ("brand", "brand")):
+            facts[key] = (device.attributes.get(attr)
+                          or (parent.attributes.get(attr, "") if parent else ""))
+    return facts
