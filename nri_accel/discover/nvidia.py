@@ -1,10 +1,11 @@
 """NVIDIA discovery: GPUs, MIG devices and the driver's files, from NVML and the host.
 
-Owns: discover_nvidia(root) and the NVIDIA facts it encodes (which libraries and
-binaries each driver capability brings, brand/architecture names, MIG profiles, device
-node and capability-file layout). Imports nri_accel.discover.{nvml, ldcache,
-hostroot, base}, nri_accel.errors, nri_accel.inventory and nri_accel.log; never pynvml
-itself (the nvml adapter does). Runs at startup and on refresh, never on a CreateContainer.
+Owns: discover_nvidia(root), nvml_library(root) and the NVIDIA facts they encode
+(which libraries and binaries each driver capability brings, brand/architecture names,
+MIG profiles, device node and capability-file layout). Imports
+nri_accel.discover.{nvml, ldcache, hostroot, base}, nri_accel.errors,
+nri_accel.inventory and nri_accel.log; never pynvml itself (the nvml adapter does).
+Runs at startup and on refresh, never on a CreateContainer.
 
 What it finds:
 - libnvidia-ml.so.1 located in the driver root like the node's loader would
@@ -146,6 +147,14 @@ def normalise_pci_bus_id(value: str) -> str:
     if key is None:
         raise ValueError(f"not a PCI bus id: {value!r}")
     return format_pci_bus_id(key)
+
+
+def nvml_library(root: HostRoot) -> str | None:
+    """The libnvidia-ml file discovery loads NVML from, as this process opens it (what
+    nri_accel.health.HealthMonitor needs too); None where there is none."""
+    locator = Locator(root)
+    lib = locator.find_soname(NVML_SONAME)
+    return locator.local_path(lib) if lib is not None else None
 
 
 def discover_nvidia(root: HostRoot) -> Found:
