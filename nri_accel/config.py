@@ -29,6 +29,13 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
     driver_root = "/"            # host path of the NVIDIA driver's files
     refresh_interval = 10.0      # seconds between cheap change checks; 0 disables
 
+    [health]                     # NVIDIA device health from NVML events
+                                 # (nri_accel.vendors.nvidia.health)
+    enabled = true
+    ignored_xids = []            # XIDs that leave a device healthy, besides the
+                                 # application XIDs 13, 31, 43, 45, 68, 109
+    recheck_interval = 60.0      # seconds an unhealthy device stays quiet before a recheck
+
     [log]
     level = "info"               # debug, info, warning, error
     format = "auto"              # auto (JSON unless stderr is a TTY), json, console
@@ -99,6 +106,13 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HealthConfig:
+    enabled: bool = True
+    ignored_xids: frozenset[int] = frozenset()
+    recheck_interval: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str = "info"
     format: str = "auto"
@@ -118,6 +132,7 @@ class Config:
     nri: NriConfig = field(default_factory=NriConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     log: LogConfig = field(default_factory=LogConfig)
     static_devices: tuple[StaticDevice, ...] = ()
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
@@ -147,7 +162,7 @@ def load_config(path: str | None) -> Config:
 
 def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     r = _Reader(data, path)
-    tables = {"policy", "nri", "devices", "discovery", "log", "static", "state_dir"}
+    tables = {"policy", "nri", "devices", "discovery", "health", "log", "static", "state_dir"}
     r.no_unknown(data, tables, "")
     state_dir = r.get(data, "state_dir", str, DEFAULT_STATE_DIR)
     if not state_dir.startswith("/") or ".." in state_dir.split("/"):
@@ -197,6 +212,16 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     if interval < 0:
         raise ConfigError("must be >= 0", source=r.src("discovery.refresh_interval"))
 
+    health = r.table("health", {"enabled", "ignored_xids", "recheck_interval"})
+    xids = health.get("ignored_xids", [])
+    if not isinstance(xids, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in xids):
+        raise ConfigError("expected an array of XID numbers (positive integers)",
+                          source=r.src("health.ignored_xids"))
+    recheck = r.get(health, "health.recheck_interval", (int, float), 60.0)
+    if recheck <= 0:
+        raise ConfigError("must be > 0", source=r.src("health.recheck_interval"))
+
     log = r.table("log", {"level", "format"})
     level = r.get(log, "log.level", str, "info").lower()
     if level not in ("debug", "info", "warning", "error"):
@@ -245,6 +270,8 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
             shared_kinds=frozenset(shared_kinds),
         ),
         discovery=DiscoveryConfig(tuple(spec_dirs), driver_root, float(interval)),
+        health=HealthConfig(r.get(health, "health.enabled", bool, True), frozenset(xids),
+                            float(recheck)),
         log=LogConfig(level, fmt),
         static_devices=tuple(statics),
         state_dir=state_dir,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nri_accel.config import Config, load_config, parse_config
+from nri_accel.config import Config, HealthConfig, load_config, parse_config
 from nri_accel.errors import ConfigError
 
 
@@ -14,6 +14,7 @@ def test_defaults_when_no_file(monkeypatch, tmp_path) -> None:
     assert cfg == Config()
     assert cfg.policy.mode == "kubernetes"
     assert cfg.devices.hooks is False  # no hook by default (DESIGN.md, CVE notes)
+    assert cfg.health == HealthConfig(True, frozenset(), 60.0)
     assert cfg.nri.socket == "/var/run/nri/nri.sock"
 
 
@@ -31,6 +32,10 @@ cdi_passthrough = true
 [discovery]
 cdi_spec_dirs = ["/etc/cdi"]
 refresh_interval = 0
+[health]
+enabled = false
+ignored_xids = [48, 63]
+recheck_interval = 5
 [log]
 level = "DEBUG"
 [[static.devices]]
@@ -45,6 +50,7 @@ env = ["ACME=1"]
     assert (cfg.nri.socket, cfg.nri.idx) == ("/run/x.sock", "07")
     assert cfg.devices.cdi_passthrough is True
     assert cfg.discovery.refresh_interval == 0.0
+    assert cfg.health == HealthConfig(False, frozenset({48, 63}), 5.0)
     assert cfg.log.level == "debug"
     assert cfg.static_devices[0].device_nodes == ("/dev/npu0",)
     assert cfg.path == str(p)
@@ -62,6 +68,10 @@ env = ["ACME=1"]
         ({"devices": {"hook_path": "../hook"}}, "devices.hook_path"),
         ({"discovery": {"refresh_interval": -1}}, "must be >= 0"),
         ({"discovery": {"cdi_spec_dirs": ["cdi"]}}, "must be absolute"),
+        ({"health": {"ignored_xids": [79, "48"]}}, "health.ignored_xids: expected an array"),
+        ({"health": {"ignored_xids": [0]}}, "health.ignored_xids: expected an array"),
+        ({"health": {"recheck_interval": 0}}, "health.recheck_interval: must be > 0"),
+        ({"health": {"enable": True}}, "health.enable: unknown key"),
         ({"static": {"devices": [{"kind": "npu", "name": "x"}]}}, "static.devices[0].kind"),
         ({"static": {"devices": [{"kind": "a.b/c", "name": "x",
                                   "device_nodes": ["/dev/../etc/shadow"]}]}},

@@ -44,9 +44,9 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fakes
 
     from fakes.roots import materialise
-    from nri_accel.discover.nvidia import discover_nvidia
 
     from nri_accel.log import configure
+    from nri_accel.vendors.nvidia.discover import discover_nvidia
 
     configure(level="warning", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="bench-discover-") as tmp:

@@ -70,3 +70,20 @@ def test_fake_nvml_reports_a_bad_description(tmp_path: Path, monkeypatch: pytest
     assert found.devices == ()
     assert "nvmlInit failed: Unknown Error" in found.problems[0].message
     assert f"fake_nvml: {conf}:3: unknown key 'bogus_key'" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(("line", "error"), [
+    ("events sometimes", "expected 'events none' or 'events <hex event type mask>'"),
+    ("row_remapping 0 0 1", "expected 'row_remapping <correctable> <uncorrectable>"),
+    ("page_retirement 2", "expected 'page_retirement <pending 0|1>'"),
+])
+def test_fake_nvml_reports_bad_health_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capfd: pytest.CaptureFixture[str], line: str,
+                                           error: str) -> None:
+    root = materialise("h100", tmp_path / "node")
+    conf = tmp_path / "bad.conf"
+    conf.write_text(f"driver_version 1.2.3\ngpu\nuuid GPU-x\n{line}\n")
+    monkeypatch.setenv("FAKE_NVML_CONFIG", str(conf))
+    found = discover_nvidia(root)
+    assert "nvmlInit failed: Unknown Error" in found.problems[0].message
+    assert f"fake_nvml: {conf}:4: {error}" in capfd.readouterr().err

@@ -1,11 +1,12 @@
 """NVIDIA discovery: GPUs, MIG devices and the driver's files, from NVML and the host.
 
-Owns: discover_nvidia(root), probe(root) and the NVIDIA facts discovery encodes (which
-libraries and binaries each driver capability brings, brand/architecture names, MIG
-profiles, device node and capability-file layout). Imports nri_accel.discover.{nvml,
-ldcache, hostroot, base, kernel, probe}, nri_accel.errors, nri_accel.inventory,
-nri_accel.log and the kinds of nri_accel.vendors.nvidia; never pynvml itself (the nvml
-adapter does). Runs at startup and on refresh, never on a CreateContainer.
+Owns: discover_nvidia(root), nvml_library(root), probe(root) and the NVIDIA facts they
+encode (which libraries and binaries each driver capability brings, brand/architecture
+names, MIG profiles, device node and capability-file layout). Imports
+nri_accel.discover.{nvml, ldcache, hostroot, base, kernel, probe}, nri_accel.errors,
+nri_accel.inventory, nri_accel.log and the kinds of nri_accel.vendors.nvidia; never
+pynvml itself (the nvml adapter does). Runs at startup and on refresh, never on a
+CreateContainer.
 
 What it finds:
 - libnvidia-ml.so.1 located in the driver root like the node's loader would
@@ -165,6 +166,14 @@ def probe(root: HostRoot) -> State:
                 out.append((f"{mig}/{gi}", tuple(c for c in root.listdir(f"{mig}/{gi}")
                                                  if c.startswith("ci"))))
     return out
+
+
+def nvml_library(root: HostRoot) -> str | None:
+    """The libnvidia-ml file discovery loads NVML from, as this process opens it (what
+    nri_accel.vendors.nvidia.health.HealthMonitor needs too); None where there is none."""
+    locator = Locator(root)
+    lib = locator.find_soname(NVML_SONAME)
+    return locator.local_path(lib) if lib is not None else None
 
 
 def discover_nvidia(root: HostRoot) -> Found:

@@ -6,7 +6,9 @@ The fake stands for NVIDIA's libnvidia-ml.so.1 (see README.md beside this file).
 built by the tests, never committed: `library(variant)` compiles it once per process
 into a temporary directory removed at exit; `build(out_dir, variant)` compiles it
 into a directory of the caller's choosing. Variants leave symbols out to mimic older
-drivers ("omit-numa": no nvmlDeviceGetNumaNodeId, as before driver 535).
+drivers ("omit-numa": no nvmlDeviceGetNumaNodeId, as before driver 535;
+"omit-event-wait-v2": no nvmlEventSetWait_v2, as before R450, only the unversioned
+nvmlEventSetWait).
 
 Command line use: ``PYTHONPATH=tests python -m fakes.nvml.build OUT_DIR [VARIANT]``.
 """
@@ -27,6 +29,7 @@ SOURCE = Path(__file__).resolve().with_name("fake_nvml.c")
 VARIANTS: dict[str, tuple[str, ...]] = {
     "": (),
     "omit-numa": ("-DFAKE_NVML_OMIT_NUMA",),
+    "omit-event-wait-v2": ("-DFAKE_NVML_OMIT_EVENT_WAIT_V2",),
 }
 
 _built: dict[str, Path] = {}
@@ -47,8 +50,8 @@ def build(out_dir: Path, variant: str = "") -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / (f"libnvidia-ml-fake-{variant}.so" if variant else "libnvidia-ml-fake.so")
     cmd = [cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-std=c11",
-           "-Wl,-soname,libnvidia-ml.so.1", *VARIANTS[variant], "-o", str(out), str(SOURCE),
-           "-ldl"]
+           "-pthread", "-Wl,-soname,libnvidia-ml.so.1", *VARIANTS[variant], "-o", str(out),
+           str(SOURCE), "-ldl"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stderr}")

@@ -2,22 +2,30 @@
  * fake_nvml.c: a stand-in for NVIDIA's libnvidia-ml.so.1 (NVML), for tests.
  *
  * It exports, with NVML's real C ABI (names, argument lists, struct layouts, return
- * codes of nvml.h), the calls that pynvml makes on nri-accel's discovery path, and
- * answers them from a text description of a node read at nvmlInit time from
- * $FAKE_NVML_CONFIG, or else from "fake_nvml.conf" beside this library file.
- * See README.md for the file format and the calls covered.
+ * codes of nvml.h), the calls that pynvml makes on nri-accel's discovery and health
+ * paths, and answers them from a text description of a node read at nvmlInit time from
+ * $FAKE_NVML_CONFIG, or else from "fake_nvml.conf" beside this library file. What
+ * happens to the node later (XID errors, ECC errors, a GPU falling off the bus) is read
+ * from "fake_nvml.events" beside the description, which tests append to while NVML is
+ * in use. See README.md for both formats and the calls covered.
  *
- * Build variants: -DFAKE_NVML_OMIT_NUMA leaves out nvmlDeviceGetNumaNodeId, as a
- * driver older than the one that introduced it.
+ * Like the real library it may be called from several threads: one recursive mutex
+ * guards all state, and nvmlEventSetWait sleeps without holding it.
+ *
+ * Build variants: -DFAKE_NVML_OMIT_NUMA leaves out nvmlDeviceGetNumaNodeId, and
+ * -DFAKE_NVML_OMIT_EVENT_WAIT_V2 nvmlEventSetWait_v2, as drivers older than the ones
+ * that introduced them.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 
 /* ---- NVML ABI subset (values and layouts as in nvml.h) ---------------------------- */
 
@@ -30,8 +38,20 @@ enum {
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
+    NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_MEMORY = 20,
     NVML_ERROR_UNKNOWN = 999,
 };
+
+/* nvmlEventType bits */
+#define nvmlEventTypeSingleBitEccError 0x0000000000000001ULL
+#define nvmlEventTypeDoubleBitEccError 0x0000000000000002ULL
+#define nvmlEventTypePState            0x0000000000000004ULL
+#define nvmlEventTypeXidCriticalError  0x0000000000000008ULL
+/* nvmlEventData_t's instance ids when an event is not attributable to a MIG instance */
+#define NVML_GPU_INSTANCE_ID_ANY       0xFFFFFFFFu
+#define NVML_COMPUTE_INSTANCE_ID_ANY   0xFFFFFFFFu
 
 #define NVML_DEVICE_PCI_BUS_ID_BUFFER_SIZE 32
 #define NVML_DEVICE_PCI_BUS_ID_BUFFER_V2_SIZE 16
@@ -64,13 +84,20 @@ typedef struct {
     unsigned long long memorySizeMB;
 } nvmlDeviceAttributes_t;
 
+typedef enum { NVML_FEATURE_DISABLED = 0, NVML_FEATURE_ENABLED = 1 } nvmlEnableState_t;
+
 /* ---- the node description ------------------------------------------------------ */
 
 #define MAX_GPUS 16
 #define MAX_MIGS 8
 #define MAX_LINKS 18
 #define MAX_FAILS 8
+#define MAX_SETS 8
+#define MAX_QUEUED 64
 #define STR 96
+/* What an ECC-enabled data-center GPU offers when the description does not say. */
+#define DEFAULT_EVENTS (nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | \
+                        nvmlEventTypePState | nvmlEventTypeXidCriticalError)
 
 struct fail { char fn[64]; int code; };
 
@@ -95,6 +122,25 @@ struct dev {
     unsigned int gi, ci, gi_slices, ci_slices, multiprocessors;
     struct dev *migs[MAX_MIGS]; int nmigs;
     struct fail fails[MAX_FAILS]; int nfails;
+    /* health (GPUs only) */
+    int events_none; unsigned long long events;   /* supported nvmlEventType mask */
+    int has_retirement; unsigned int retired_pending;
+    int has_remapping; unsigned int remap_corr, remap_unc, remap_pending, remap_failure;
+    int lost;                                      /* fallen off the bus */
+};
+
+/* One queued event, as nvmlEventSetWait hands it out. */
+struct event {
+    struct dev *gpu;
+    unsigned long long type, data;
+    unsigned int gi, ci;
+};
+
+/* An nvmlEventSet_t points at one of these. */
+struct evset {
+    int used;
+    unsigned long long mask[MAX_GPUS];  /* registered event types, by GPU index */
+    struct event queue[MAX_QUEUED]; int head, count;
 };
 
 static struct {
@@ -106,7 +152,23 @@ static struct {
     struct fail fails[MAX_FAILS]; int nfails;
     struct dev gpus[MAX_GPUS]; int ngpus;
     struct dev migs[MAX_GPUS * MAX_MIGS]; int nmigs;
+    struct evset sets[MAX_SETS];
+    char events_path[4096]; long events_offset; int events_line;
+    int broken;  /* a bad events line: every later call answers NVML_ERROR_UNKNOWN */
 } node;
+
+/* Every entry point holds this from its first check to its return. */
+static pthread_mutex_t mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP;
+
+static void release_mu(int *unused)
+{
+    (void)unused;
+    pthread_mutex_unlock(&mu);
+}
+
+#define HOLD_LOCK()                                                                \
+    pthread_mutex_lock(&mu);                                                       \
+    int _held __attribute__((cleanup(release_mu), unused)) = 1
 
 /* ---- configuration parsing --------------------------------------------------------- */
 
@@ -167,6 +229,26 @@ static int device_key(struct dev *d, const char *key, const char *rest)
     }
     if (!strcmp(key, "minor"))
         return sscanf(rest, "%u", &d->minor) == 1 ? 0 : conf_error("bad minor");
+    if (!strcmp(key, "events")) {
+        if (!strcmp(rest, "none")) {
+            d->events_none = 1;
+            return 0;
+        }
+        return sscanf(rest, "%llx", &d->events) == 1
+                   ? 0 : conf_error("expected 'events none' or 'events <hex event type mask>'");
+    }
+    if (!strcmp(key, "page_retirement")) {
+        d->has_retirement = 1;
+        return sscanf(rest, "%u", &d->retired_pending) == 1 && d->retired_pending <= 1
+                   ? 0 : conf_error("expected 'page_retirement <pending 0|1>'");
+    }
+    if (!strcmp(key, "row_remapping")) {
+        d->has_remapping = 1;
+        return sscanf(rest, "%u %u %u %u", &d->remap_corr, &d->remap_unc, &d->remap_pending,
+                      &d->remap_failure) == 4
+                   ? 0 : conf_error("expected 'row_remapping <correctable> <uncorrectable> "
+                                    "<pending 0|1> <failure 0|1>'");
+    }
     if (!strcmp(key, "brand"))
         return sscanf(rest, "%u", &d->brand) == 1 ? 0 : conf_error("bad brand");
     if (!strcmp(key, "arch"))
@@ -247,6 +329,7 @@ static int load_config(void)
         if (!strcmp(key, "gpu")) {
             if (node.ngpus >= MAX_GPUS) { rv = conf_error("too many gpus"); break; }
             cur = &node.gpus[node.ngpus++];
+            cur->events = DEFAULT_EVENTS;
         } else if (!strcmp(key, "mig")) {
             struct dev *gpu = cur && cur->is_mig ? cur->parent : cur;
             if (!gpu) { rv = conf_error("'mig' before any 'gpu'"); break; }
@@ -270,6 +353,10 @@ static int load_config(void)
         }
     }
     fclose(f);
+    snprintf(node.events_path, sizeof(node.events_path), "%s", conf_path);
+    char *slash = strrchr(node.events_path, '/');
+    size_t dir = slash ? (size_t)(slash - node.events_path + 1) : 0;
+    snprintf(node.events_path + dir, sizeof(node.events_path) - dir, "fake_nvml.events");
     return rv;
 }
 
@@ -283,18 +370,149 @@ static int injected(const struct fail *fails, int n, const char *fn)
     return NVML_SUCCESS;
 }
 
-/* Common entry checks: library initialised, valid handle, no injected failure. */
-#define ENTER_SYSTEM()                                                             \
+static struct dev *gpu_of(struct dev *d) { return d->is_mig ? d->parent : d; }
+
+static struct dev *gpu_by_uuid(const char *uuid)
+{
+    for (int i = 0; i < node.ngpus; i++)
+        if (!strcmp(node.gpus[i].uuid, uuid))
+            return &node.gpus[i];
+    return NULL;
+}
+
+/* ---- injected events ---------------------------------------------------------------- */
+
+static int event_error(const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "fake_nvml: %s:%d: ", node.events_path, node.events_line);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    node.broken = 1;
+    return -1;
+}
+
+/* Queue an event in every set where `gpu` is registered for its type; a full queue
+ * drops the event, as the driver's bounded queue does. */
+static void deliver(struct dev *gpu, unsigned long long type, unsigned long long data,
+                    unsigned int gi, unsigned int ci)
+{
+    int idx = (int)(gpu - node.gpus);
+    for (int i = 0; i < MAX_SETS; i++) {
+        struct evset *set = &node.sets[i];
+        if (!set->used || !(set->mask[idx] & type) || set->count == MAX_QUEUED)
+            continue;
+        struct event *e = &set->queue[(set->head + set->count++) % MAX_QUEUED];
+        e->gpu = gpu;
+        e->type = type;
+        e->data = data;
+        e->gi = gi;
+        e->ci = ci;
+    }
+}
+
+/* A GPU reset: a lost GPU answers again, pending retirements and remappings take effect. */
+static void reset_gpu(struct dev *gpu)
+{
+    gpu->lost = 0;
+    gpu->retired_pending = 0;
+    if (gpu->remap_pending) {
+        gpu->remap_pending = 0;
+        gpu->remap_unc++;
+    }
+}
+
+/* One line of the events file. */
+static int apply_event(char *line)
+{
+    char what[16], uuid[STR];
+    int n = 0;
+    if (sscanf(line, "%15s %95s %n", what, uuid, &n) != 2)
+        return event_error("expected '<xid|dbe|lost|back|reset> <GPU uuid> ...'");
+    const char *rest = line + n;
+    struct dev *gpu = gpu_by_uuid(uuid);
+    if (!gpu)
+        return event_error("no GPU %s in the node description", uuid);
+    if (!strcmp(what, "xid")) {
+        unsigned long long xid;
+        unsigned int gi, ci;
+        int got = sscanf(rest, "%llu %u %u", &xid, &gi, &ci);
+        if (got == 1)
+            gi = ci = NVML_GPU_INSTANCE_ID_ANY;
+        else if (got != 3)
+            return event_error("expected 'xid <GPU uuid> <xid> [<gi> <ci>]'");
+        deliver(gpu, nvmlEventTypeXidCriticalError, xid, gi, ci);
+    } else if (*rest) {
+        return event_error("unexpected '%s' after '%s %s'", rest, what, uuid);
+    } else if (!strcmp(what, "dbe")) {
+        /* Uncorrectable memory errors retire the page (before Ampere) or remap the row
+         * (Ampere and later) at the next GPU reset. */
+        if (gpu->has_retirement)
+            gpu->retired_pending = 1;
+        if (gpu->has_remapping)
+            gpu->remap_pending = 1;
+        deliver(gpu, nvmlEventTypeDoubleBitEccError, 0,
+                NVML_GPU_INSTANCE_ID_ANY, NVML_COMPUTE_INSTANCE_ID_ANY);
+    } else if (!strcmp(what, "lost")) {
+        gpu->lost = 1;
+    } else if (!strcmp(what, "back")) {
+        gpu->lost = 0;
+    } else if (!strcmp(what, "reset")) {
+        reset_gpu(gpu);
+    } else {
+        return event_error("unknown event '%s' (xid, dbe, lost, back, reset)", what);
+    }
+    return 0;
+}
+
+/* Apply the complete lines appended to the events file since the last look. */
+static void poll_events(void)
+{
+    if (node.broken)
+        return;
+    FILE *f = fopen(node.events_path, "r");
+    if (!f)
+        return;
+    char line[512];
+    if (fseek(f, node.events_offset, SEEK_SET) == 0) {
+        while (fgets(line, sizeof(line), f)) {
+            size_t len = strlen(line);
+            if (!len || line[len - 1] != '\n')
+                break;  /* a line still being written: read it next time */
+            node.events_offset += (long)len;
+            node.events_line++;
+            char *hash = strchr(line, '#');
+            if (hash)
+                *hash = '\0';
+            char *start = line + strspn(line, " \t\n");
+            if (*start && apply_event(start) < 0)
+                break;
+        }
+    }
+    fclose(f);
+}
+
+/* Entry checks. The ENTER_* macros take the lock until the function returns. */
+#define CHECK_SYSTEM(fn)                                                           \
     do {                                                                           \
         if (node.refcount <= 0) return NVML_ERROR_UNINITIALIZED;                   \
-        int _c = injected(node.fails, node.nfails, __func__);                      \
+        poll_events();                                                             \
+        if (node.broken) return NVML_ERROR_UNKNOWN;                                \
+        int _c = injected(node.fails, node.nfails, fn);                            \
         if (_c) return _c;                                                         \
     } while (0)
 
+#define ENTER_SYSTEM()                                                             \
+    HOLD_LOCK();                                                                   \
+    CHECK_SYSTEM(__func__)
+
 #define ENTER_DEVICE(d)                                                            \
+    ENTER_SYSTEM();                                                                \
     do {                                                                           \
-        ENTER_SYSTEM();                                                            \
         if (!(d)) return NVML_ERROR_INVALID_ARGUMENT;                              \
+        if (gpu_of(d)->lost) return NVML_ERROR_GPU_IS_LOST;                        \
         int _d = injected((d)->fails, (d)->nfails, __func__);                      \
         if (_d) return _d;                                                         \
     } while (0)
@@ -334,6 +552,7 @@ typedef struct dev *nvmlDevice_t;
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 {
     (void)flags;
+    HOLD_LOCK();
     if (!node.loaded) {
         if (load_config() < 0)
             return NVML_ERROR_UNKNOWN;
@@ -349,10 +568,11 @@ nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
 
 nvmlReturn_t nvmlShutdown(void)
 {
+    HOLD_LOCK();
     if (node.refcount <= 0)
         return NVML_ERROR_UNINITIALIZED;
     if (--node.refcount == 0)
-        node.loaded = 0;  /* the next nvmlInit re-reads the description */
+        node.loaded = 0;  /* the next nvmlInit re-reads the description and events */
     return NVML_SUCCESS;
 }
 
@@ -366,6 +586,9 @@ const char *nvmlErrorString(nvmlReturn_t result)
     case NVML_ERROR_NOT_FOUND: return "Not Found";
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_MEMORY: return "Insufficient Memory";
     default: return "Unknown Error";
     }
 }
@@ -404,6 +627,7 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
 {
     ENTER_SYSTEM();
     if (!device || index >= (unsigned int)node.ngpus) return NVML_ERROR_INVALID_ARGUMENT;
+    if (node.gpus[index].lost) return NVML_ERROR_GPU_IS_LOST;
     *device = &node.gpus[index];
     return NVML_SUCCESS;
 }
@@ -587,5 +811,164 @@ nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t d, unsigned int li
     if (r) return r;
     if (!type) return NVML_ERROR_INVALID_ARGUMENT;
     *type = l->remote_type;
+    return NVML_SUCCESS;
+}
+
+/* ---- health: ECC page retirement, row remapping, events ---------------------------- */
+
+nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t d, nvmlEnableState_t *pending)
+{
+    ENTER_DEVICE(d);
+    if (!pending) return NVML_ERROR_INVALID_ARGUMENT;
+    if (d->is_mig || !d->has_retirement) return NVML_ERROR_NOT_SUPPORTED;
+    *pending = d->retired_pending ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t d, unsigned int *corr, unsigned int *unc,
+                                       unsigned int *pending, unsigned int *failure)
+{
+    ENTER_DEVICE(d);
+    if (!corr || !unc || !pending || !failure) return NVML_ERROR_INVALID_ARGUMENT;
+    if (d->is_mig || !d->has_remapping) return NVML_ERROR_NOT_SUPPORTED;
+    /* nvml.h: not supported on MIG-enabled GPUs with active instances */
+    if (d->mig_current && d->nmigs) return NVML_ERROR_NOT_SUPPORTED;
+    *corr = d->remap_corr;
+    *unc = d->remap_unc;
+    *pending = d->remap_pending;
+    *failure = d->remap_failure;
+    return NVML_SUCCESS;
+}
+
+typedef struct evset *nvmlEventSet_t;
+
+/* nvmlEventSetWait_v2's nvmlEventData_t (R450 and later) */
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlEventData_t;
+
+/* What the unversioned nvmlEventSetWait writes: the layout before the instance ids. */
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType;
+    unsigned long long eventData;
+} nvmlEventData_v1_t;
+
+static int valid_set(nvmlEventSet_t set)
+{
+    return set >= node.sets && set < node.sets + MAX_SETS && set->used;
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t d, unsigned long long *types)
+{
+    ENTER_DEVICE(d);
+    if (!types) return NVML_ERROR_INVALID_ARGUMENT;
+    /* events are reported on the GPU, never per MIG device handle */
+    if (d->is_mig || d->events_none) return NVML_ERROR_NOT_SUPPORTED;
+    *types = d->events;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t d, unsigned long long types,
+                                      nvmlEventSet_t set)
+{
+    ENTER_DEVICE(d);
+    if (!valid_set(set)) return NVML_ERROR_INVALID_ARGUMENT;
+    if (d->is_mig || d->events_none || (types & ~d->events)) return NVML_ERROR_NOT_SUPPORTED;
+    set->mask[d - node.gpus] |= types;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    ENTER_SYSTEM();
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < MAX_SETS; i++) {
+        if (!node.sets[i].used) {
+            memset(&node.sets[i], 0, sizeof(node.sets[i]));
+            node.sets[i].used = 1;
+            *set = &node.sets[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_MEMORY;
+}
+
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    ENTER_SYSTEM();
+    if (!valid_set(set)) return NVML_ERROR_INVALID_ARGUMENT;
+    set->used = 0;
+    return NVML_SUCCESS;
+}
+
+/* One look at `set`: an event (SUCCESS), a lost GPU in it (GPU_IS_LOST), or nothing yet
+ * (TIMEOUT). */
+static nvmlReturn_t take_event(const char *fn, nvmlEventSet_t set, struct event *out)
+{
+    HOLD_LOCK();
+    CHECK_SYSTEM(fn);
+    if (!valid_set(set) || !out) return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < node.ngpus; i++)
+        if (set->mask[i] && node.gpus[i].lost)
+            return NVML_ERROR_GPU_IS_LOST;
+    if (!set->count) return NVML_ERROR_TIMEOUT;
+    *out = set->queue[set->head];
+    set->head = (set->head + 1) % MAX_QUEUED;
+    set->count--;
+    return NVML_SUCCESS;
+}
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Look every 5 ms, the lock released in between, until an answer or `timeoutms`. */
+static nvmlReturn_t wait_event(const char *fn, nvmlEventSet_t set, struct event *out,
+                               unsigned int timeoutms)
+{
+    long long deadline = now_ms() + timeoutms;
+    for (;;) {
+        nvmlReturn_t r = take_event(fn, set, out);
+        long long left = deadline - now_ms();
+        if (r != NVML_ERROR_TIMEOUT || left <= 0)
+            return r;
+        struct timespec nap = {0, (left < 5 ? left : 5) * 1000000L};
+        nanosleep(&nap, NULL);
+    }
+}
+
+#ifndef FAKE_NVML_OMIT_EVENT_WAIT_V2
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    struct event e = {0};
+    if (!data) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t r = wait_event(__func__, set, &e, timeoutms);
+    if (r) return r;
+    data->device = e.gpu;
+    data->eventType = e.type;
+    data->eventData = e.data;
+    data->gpuInstanceId = e.gi;
+    data->computeInstanceId = e.ci;
+    return NVML_SUCCESS;
+}
+#endif
+
+nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_v1_t *data, unsigned int timeoutms)
+{
+    struct event e = {0};
+    if (!data) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t r = wait_event(__func__, set, &e, timeoutms);
+    if (r) return r;
+    data->device = e.gpu;
+    data->eventType = e.type;
+    data->eventData = e.data;
     return NVML_SUCCESS;
 }
