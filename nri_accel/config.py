@@ -2,7 +2,8 @@
 
 Owns: the config keys, their defaults and validation. Imports the standard library,
 nri_accel.errors and nri_accel.inventory (the CDI syntax of static device kinds and
-names, which requests must be able to name). Reads one file.
+names, which requests must be able to name) and nri_accel.metrics (the address
+syntax; not its server module, which loads prometheus_client). Reads one file.
 
 Keys (all optional; unknown keys are errors so typos do not pass silently):
 
@@ -29,6 +30,10 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
     level = "info"               # debug, info, warning, error
     format = "auto"              # auto (JSON unless stderr is a TTY), json, console
 
+    [metrics]
+    address = ""                 # HOST:PORT serving /metrics, /healthz, /readyz; "" = off
+                                 # (--metrics-address overrides it)
+
     [[static.devices]]           # hardware with no discoverer
     kind = "acme.example/npu"    # vendor/class
     name = "npu0"
@@ -46,6 +51,7 @@ from typing import Any
 
 from nri_accel.errors import ConfigError
 from nri_accel.inventory import DEVICE_NAME_RE, KIND_RE
+from nri_accel.metrics import parse_address
 
 DEFAULT_CONFIG_PATH = "/etc/nri-accel/config.toml"
 DEFAULT_SOCKET = "/var/run/nri/nri.sock"
@@ -87,6 +93,11 @@ class LogConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    address: str = ""  # validated HOST:PORT (nri_accel.metrics.parse_address); "" = off
+
+
+@dataclass(frozen=True, slots=True)
 class StaticDevice:
     kind: str
     name: str
@@ -101,6 +112,7 @@ class Config:
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     static_devices: tuple[StaticDevice, ...] = ()
     path: str = ""  # file it was read from; "" for built-in defaults
 
@@ -126,7 +138,7 @@ def load_config(path: str | None) -> Config:
 
 def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     r = _Reader(data, path)
-    tables = {"policy", "nri", "devices", "discovery", "log", "static"}
+    tables = {"policy", "nri", "devices", "discovery", "log", "metrics", "static"}
     r.no_unknown(data, tables, "")
 
     pol = r.table("policy", {"mode", "trusted_namespaces"})
@@ -176,6 +188,10 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     if fmt not in ("auto", "json", "console"):
         raise ConfigError(f"unknown format {fmt!r}", source=r.src("log.format"))
 
+    metrics_address = r.get(r.table("metrics", {"address"}), "metrics.address", str, "")
+    if metrics_address:
+        parse_address(metrics_address, source=r.src("metrics.address"))
+
     static = r.table("static", {"devices"})
     raw_devs = static.get("devices", [])
     if not isinstance(raw_devs, list):
@@ -216,6 +232,7 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
         ),
         discovery=DiscoveryConfig(tuple(spec_dirs), driver_root, float(interval)),
         log=LogConfig(level, fmt),
+        metrics=MetricsConfig(metrics_address),
         static_devices=tuple(statics),
         path=path,
     )
