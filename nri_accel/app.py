@@ -2,9 +2,10 @@
 
 Owns: App (the configuration with its command-line overrides, logging, the inventory
 source and its refresher) and the checks of what the command line names. Imports the
-standard library, nri_accel.config, nri_accel.errors, nri_accel.inventory and
-nri_accel.log; nri_accel.discover only when a verb discovers, so `run --inventory FILE`
-and `explain --inventory FILE` never load a discoverer.
+standard library, nri_accel.config, nri_accel.errors, nri_accel.inventory,
+nri_accel.log and nri_accel.metrics (the address, not the server); nri_accel.discover
+only when a verb discovers, so `run --inventory FILE` and `explain --inventory FILE`
+never load a discoverer.
 
 Every verb starts with App.from_args(args, ...): `run` and `device-plugin` as daemons
 (logs at the configured level, to stderr or a file; every discovery problem a warning
@@ -22,9 +23,10 @@ from dataclasses import dataclass, replace
 from typing import IO, TYPE_CHECKING, Any
 
 from nri_accel import log as logging_setup
-from nri_accel.config import Config, MetricsConfig, load_config
+from nri_accel.config import Config, load_config
 from nri_accel.errors import ConfigError
 from nri_accel.inventory import Inventory
+from nri_accel.metrics import Address, choose_address
 
 if TYPE_CHECKING:
     from nri_accel.discover.hostroot import HostRoot
@@ -44,21 +46,20 @@ class App:
     config: Config
     inventory_path: str | None = None
     root_dir: str | None = None
+    metrics_address: Address | None = None  # where to serve /metrics; None: off
     log_file: IO[str] | None = None
     _probe: Any = None  # the refresher's probe, taken just before discovery
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, mode: str,
                   log_file: str | None = None, preregistered: bool = False) -> App:
-        """Read the configuration (--config), apply --state-dir and --metrics-address,
-        check --inventory/--root, and configure logging for `mode`."""
+        """Read the configuration (--config), apply --state-dir, choose the metrics
+        address (--metrics-address, else metrics.address), check --inventory/--root, and
+        configure logging for `mode`."""
         config = load_config(getattr(args, "config", None))
         state_dir = getattr(args, "state_dir", None)
         if state_dir:
             config = replace(config, state_dir=os.path.abspath(state_dir))
-        address = getattr(args, "metrics_address", None)
-        if address is not None:
-            config = replace(config, metrics=MetricsConfig(address=address))
         inventory_path = getattr(args, "inventory", None)
         root_dir = getattr(args, "root", None)
         if inventory_path is not None and not os.path.isfile(inventory_path):
@@ -67,7 +68,9 @@ class App:
         if root_dir is not None and not os.path.isdir(root_dir):
             raise ConfigError("no such directory: the host root to discover",
                               source=f"--root {root_dir}")
-        app = cls(config, inventory_path, root_dir)
+        app = cls(config, inventory_path, root_dir, choose_address(
+            getattr(args, "metrics_address", None), config.metrics.address,
+            config_path=config.path))
         if mode == DAEMON:
             app.log_file = logging_setup.open_log_file(log_file, preregistered=preregistered)
             logging_setup.configure(level=config.log.level, fmt=config.log.format,

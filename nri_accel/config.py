@@ -2,7 +2,8 @@
 
 Owns: the config keys, their defaults and validation. Imports the standard library,
 nri_accel.errors and nri_accel.inventory (the CDI syntax of static device kinds and
-names, which requests must be able to name). Reads one file.
+names, which requests must be able to name) and nri_accel.metrics (the address
+syntax; not its server module, which loads prometheus_client). Reads one file.
 
 Keys (all optional; unknown keys are errors so typos do not pass silently):
 
@@ -40,6 +41,10 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
     level = "info"               # debug, info, warning, error
     format = "auto"              # auto (JSON unless stderr is a TTY), json, console
 
+    [metrics]
+    address = ""                 # HOST:PORT serving /metrics, /healthz, /readyz; "" = off
+                                 # (--metrics-address overrides it)
+
     [[static.devices]]           # hardware with no discoverer
     kind = "acme.example/npu"    # vendor/class
     name = "npu0"
@@ -57,6 +62,7 @@ from typing import Any
 
 from nri_accel.errors import ConfigError
 from nri_accel.inventory import DEVICE_NAME_RE, KIND_RE
+from nri_accel.metrics import parse_address
 from nri_accel.nri import DEFAULT_SOCKET
 
 DEFAULT_CONFIG_PATH = "/etc/nri-accel/config.toml"
@@ -87,11 +93,6 @@ class DevicesConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class MetricsConfig:
-    address: str = ""  # HOST:PORT of /metrics, /healthz, /readyz; "" = off
-
-
-@dataclass(frozen=True, slots=True)
 class DevicePluginConfig:
     """[device_plugin]: how the kubelet device plugin advertises the devices."""
 
@@ -119,6 +120,11 @@ class LogConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    address: str = ""  # validated HOST:PORT (nri_accel.metrics.parse_address); "" = off
+
+
+@dataclass(frozen=True, slots=True)
 class StaticDevice:
     kind: str
     name: str
@@ -134,9 +140,9 @@ class Config:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     static_devices: tuple[StaticDevice, ...] = ()
     device_plugin: DevicePluginConfig = field(default_factory=DevicePluginConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     state_dir: str = DEFAULT_STATE_DIR
     path: str = ""  # file it was read from; "" for built-in defaults
 
@@ -162,7 +168,8 @@ def load_config(path: str | None) -> Config:
 
 def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     r = _Reader(data, path)
-    tables = {"policy", "nri", "devices", "discovery", "health", "log", "static", "state_dir"}
+    tables = {"policy", "nri", "devices", "discovery", "health", "log", "metrics", "static",
+              "state_dir"}
     r.no_unknown(data, tables, "")
     state_dir = r.get(data, "state_dir", str, DEFAULT_STATE_DIR)
     if not state_dir.startswith("/") or ".." in state_dir.split("/"):
@@ -230,6 +237,10 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     if fmt not in ("auto", "json", "console"):
         raise ConfigError(f"unknown format {fmt!r}", source=r.src("log.format"))
 
+    metrics_address = r.get(r.table("metrics", {"address"}), "metrics.address", str, "")
+    if metrics_address:
+        parse_address(metrics_address, source=r.src("metrics.address"))
+
     static = r.table("static", {"devices"})
     raw_devs = static.get("devices", [])
     if not isinstance(raw_devs, list):
@@ -273,6 +284,7 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
         health=HealthConfig(r.get(health, "health.enabled", bool, True), frozenset(xids),
                             float(recheck)),
         log=LogConfig(level, fmt),
+        metrics=MetricsConfig(metrics_address),
         static_devices=tuple(statics),
         state_dir=state_dir,
         path=path,
