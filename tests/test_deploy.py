@@ -9,11 +9,9 @@ read, and holds no privilege or host path that is not explained here.
 - The example pods get what they ask for, through `nri-accel explain`.
 - The systemd units and the image's Dockerfile.
 
-Issue #7 adds `--state-dir` and `--metrics-address` to `run` and `device-plugin`, and a
-`[device_plugin]` config table. Until this build has them, the checks read the flags
-here (PENDING_FLAGS) and leave the table out; once it has them, the real parser and
-parse_config read them like everything else, and the strict xfail tests below fail to
-say that the shim can go.
+Issue #7 adds a `[device_plugin]` config table. Until this build has it, the checks leave
+the table out (PENDING_CONFIG_TABLES); once it has it, parse_config reads it like
+everything else, and the strict xfail test below fails to say that the shim can go.
 """
 
 from __future__ import annotations
@@ -52,28 +50,18 @@ KUBECTL_ENV = "NRI_ACCEL_KUBECTL"
 
 # --- the shim for issue #7 ---------------------------------------------------------------
 
-PENDING_FLAGS = frozenset({"--state-dir", "--metrics-address"})
 PENDING_CONFIG_TABLES = frozenset({"device_plugin"})
 
 
 def parse_cli(argv: Sequence[str]) -> dict[str, Any]:
-    """`argv` as `nri-accel` reads it: its options by dest. Only a flag of PENDING_FLAGS
-    that this build does not know yet is read here (FLAG VALUE or FLAG=VALUE)."""
+    """`argv` as `nri-accel` reads it: its options by dest."""
     argv = list(argv)
     try:
         args, unknown = build_parser().parse_known_args(argv)
     except SystemExit:
         pytest.fail(f"nri-accel refuses: {shlex.join(argv)}")
-    opts = vars(args)
-    tokens = iter(unknown)
-    for token in tokens:
-        flag, eq, value = token.partition("=")
-        assert flag in PENDING_FLAGS, f"{token!r} is not an argument of {shlex.join(argv)}"
-        if not eq:
-            value = next(tokens, "")
-        assert value, f"{flag} without a value in {shlex.join(argv)}"
-        opts[flag[2:].replace("-", "_")] = value
-    return opts
+    assert not unknown, f"{unknown} are not arguments of {shlex.join(argv)}"
+    return vars(args)
 
 
 def _config_has_table(table: str) -> bool:
@@ -94,8 +82,6 @@ def load_config_text(text: str) -> Config:
     return parse_config(data)
 
 
-@pytest.mark.xfail(strict=True, reason="issue #7 adds them; once it has, remove this marker "
-                   "and PENDING_FLAGS")
 @pytest.mark.parametrize("verb", ["run", "device-plugin"])
 def test_run_and_device_plugin_take_the_state_dir_and_metrics_flags(verb: str) -> None:
     argv = [verb, "--state-dir", "/run/nri-accel", "--metrics-address", "127.0.0.1:9479"]
