@@ -55,6 +55,7 @@ from nri_accel.vendors import PROFILES, family_of
 
 _MAX_ECHO = 64  # longest user-supplied id echoed back in an error message
 _MAX_LISTED = 16  # most device names listed in an "unknown device" error
+_MAX_HOLDERS = 8  # most held devices listed with their holders in a refused count
 REPLICA_SEPARATOR = "::"  # kubelet time-slicing replica ids: "<device id>::<n>"
 
 
@@ -197,12 +198,14 @@ class DeviceIndex:
 # ---- select -------------------------------------------------------------------------
 
 
-def select(request: Request, index: DeviceIndex, busy: Container[str] = frozenset(), *,
+def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None = None, *,
            cdi_passthrough: bool = False, shared_kinds: Container[str] = frozenset()
            ) -> Selection:
     """Resolve a Request against the inventory. `busy`: keys (Device.key) held
-    exclusively by other running containers (counts avoid them). With `cdi_passthrough`,
-    CDI requests are handed on as names. Raises RequestError and subclasses."""
+    exclusively by other running containers, each with its holders' names (counts avoid
+    them; a refused count names them). With `cdi_passthrough`, CDI requests are handed
+    on as names. Raises RequestError and subclasses."""
+    busy = busy or {}
     granted: dict[int, Device] = {}  # position -> device
     specific: set[int] = set()  # named or counted: not only reached through `all`
     shared: set[int] = set()  # named as a replica, or of a shared kind
@@ -320,7 +323,7 @@ def _check_families(request: Request, index: DeviceIndex, devices: tuple[Device,
 # ---- the allocator -------------------------------------------------------------------
 
 
-def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Container[str],
+def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Mapping[str, str],
               granted: Mapping[int, Device]) -> tuple[Device, ...]:
     count = claim.count or 0
     if count <= 0:
@@ -334,10 +337,14 @@ def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Container[str],
             raise AllocationError(f"asks for {count} {kind} but this node has none",
                                   source=claim.source)
         free_names = ", ".join(index.devices[p].name for p in free) or "none"
+        held = [f"{index.devices[p].name} by {busy[keys[p]]}" for p in index.countable(kind)
+                if keys[p] in busy]
+        shown = "; ".join(held[:_MAX_HOLDERS]) + (
+            f"; and {len(held) - _MAX_HOLDERS} more" if len(held) > _MAX_HOLDERS else "")
         raise AllocationError(
             f"asks for {count} {kind} but only {len(free)} of {total} are free "
-            f"(free: {free_names}; the others are held by running containers, "
-            "unhealthy or not countable)", source=claim.source)
+            f"(free: {free_names}; held: {shown or 'none'}; the others are unhealthy, "
+            "not countable or granted to this container already)", source=claim.source)
     return tuple(index.devices[p] for p in choose_positions(index.topology, free, count))
 
 

@@ -152,10 +152,12 @@ class Holdings:
                 out.add(earlier)
         return frozenset(out)
 
-    def busy(self, grant: Grant) -> frozenset[str]:
-        """Keys held exclusively by containers other than those `grant` replaces."""
+    def busy(self, grant: Grant) -> dict[str, str]:
+        """Keys held exclusively by containers other than those `grant` replaces, each
+        with who holds it (for messages)."""
         mine = self.replaced(grant)
-        return frozenset(k for k, ids in self._holders.items() if not ids <= mine)
+        return {k: _listed(self._grants[i] for i in ids if i not in mine)
+                for k, ids in self._holders.items() if not ids <= mine}
 
     def require_known(self, source: str) -> None:
         """StateError naming `source` (a count's) while the state is unknown."""

@@ -157,7 +157,8 @@ def held_names(selection: Selection) -> frozenset[str]:
                      if d.key in selection.exclusive)
 
 
-def keys(inventory: Inventory, *qualified: str) -> frozenset[str]:
-    """The holdings keys (Device.key) of devices named by qualified name."""
+def keys(inventory: Inventory, *qualified: str) -> dict[str, str]:
+    """What select() takes as `busy`: the holdings keys (Device.key) of devices named by
+    qualified name, each held by "ns/pod/holder"."""
     by_name = {d.qualified_name: d.key for d in inventory.devices}
-    return frozenset(by_name[q] for q in qualified)
+    return {by_name[q]: "ns/pod/holder" for q in qualified}

@@ -150,7 +150,7 @@ def test_explicit_and_all_grants_combine_explicit_ones_held(index):
                           DeviceClaim(KIND_GPU, all=True, source="env NVIDIA_VISIBLE_DEVICES")))
     sel = select(req, index)
     assert held_names(sel) == {"nvidia.com/mig=7:1"}
-    assert keys(demo_inventory(), "nvidia.com/gpu=0") <= sel.shared
+    assert set(keys(demo_inventory(), "nvidia.com/gpu=0")) <= sel.shared
 
 
 def test_an_unhealthy_device_is_granted_to_no_new_container():
@@ -174,7 +174,7 @@ def test_count_prefers_an_nvlink_pair_on_one_numa_node(index):
 def test_count_never_picks_busy_devices(index):
     busy = keys(demo_inventory(), "nvidia.com/gpu=0", "nvidia.com/gpu=2")
     sel = select(count(2), index, busy)
-    assert not set(names(sel)) & busy
+    assert not {d.key for d in sel.devices} & busy.keys()
     # NUMA 0 has 1 and 3 free but unlinked; NUMA 1 has the 4-5 pair.
     assert names(sel) == ["nvidia.com/gpu=4", "nvidia.com/gpu=5"]
 
@@ -225,9 +225,21 @@ def test_count_on_a_node_without_the_kind(index):
         select(count(1, "aws.amazon.com/neuron"), index)
 
 
-def test_explicit_ids_may_share_held_devices(index):
-    sel = select(ids("0"), index, frozenset({"nvidia.com/gpu=0"}))
+def test_select_resolves_named_devices_and_leaves_exclusivity_to_the_holdings(index):
+    # Whether a named device may be taken while another container holds it is
+    # nri_accel.state.Holdings.check's one rule (tests/engine/test_allocation_state.py).
+    sel = select(ids("0"), index, keys(demo_inventory(), "nvidia.com/gpu=0"))
     assert names(sel) == ["nvidia.com/gpu=0"]
+
+
+def test_a_refused_count_names_the_holders(index):
+    busy = {k: f"ml/p{i}/c (id {i})" for i, k in enumerate(keys(
+        demo_inventory(), *(f"nvidia.com/gpu={g}" for g in range(7))))}
+    with pytest.raises(AllocationError) as e:
+        select(count(1), index, busy)
+    assert "only 0 of 8 are free" in e.value.message
+    assert "held: 0 by ml/p0/c (id 0); 1 by ml/p1/c (id 1)" in e.value.message
+    assert "6 by ml/p6/c (id 6);" in e.value.message
 
 
 def test_allocator_maximises_links_inside_the_set():
