@@ -5,7 +5,8 @@ once per inventory, and each family's tables), build() (Selection x Request x co
 -> ContainerEdits: the final order, de-duplicated once), the safety rules for emitted
 paths, and the container env the edits write. Imports the standard library,
 nri_accel.config (types), nri_accel.errors, nri_accel.inventory, nri_accel.policy (the
-Request), nri_accel.select (the Selection) and nri_accel.vendors. Pure: no I/O, no logging.
+Request), nri_accel.select (the Selection), nri_accel.errors and nri_accel.vendors. Pure:
+no I/O, no logging.
 
 What a container gets:
 - the device nodes of each granted device (a MIG device's include its parent GPU's node);
@@ -19,7 +20,8 @@ What a container gets:
   vendor hook cannot widen the grant;
 - LD_LIBRARY_PATH: the container's own value followed by the directories the driver
   libraries are mounted in, without duplicates (libraries become loadable without
-  running anything in the container's root filesystem);
+  running anything in the container's root filesystem); a container value too long to
+  extend (MAX_ENV_STRING, the kernel's limit on one env string) is refused;
 - CDI devices: their device edits plus their spec's container edits (Driver "cdi:...").
 - Hooks: none by default. With config devices.hooks and hook_path, one createContainer
   hook `<hook_path> update-ldcache --folder DIR...` (the nvidia-cdi-hook syntax) with
@@ -44,9 +46,11 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from operator import methodcaller
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from nri_accel.errors import RequestError
 from nri_accel.inventory import (
     ContainerEdits,
     DeviceNode,
@@ -79,6 +83,10 @@ RUNTIME_SOCKETS = (
 FORBIDDEN_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT"})
 MEMO_SIZE = 4096  # grants remembered per inventory before the memo starts over
 LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
+# The longest "KEY=VALUE" string execve(2) accepts (MAX_ARG_STRLEN, 32 pages): a longer
+# LD_LIBRARY_PATH could not reach the container's process anyway, and extending one
+# costs time in proportion to its length, so it is refused before any work.
+MAX_ENV_STRING = 32 * 4096
 
 
 class UnsafeEdit(ValueError):
@@ -224,6 +232,7 @@ class _Common:
     env: tuple[tuple[str, str], ...]  # without LD_LIBRARY_PATH and the defaults
     defaults: tuple[tuple[str, str], ...]  # set only where the container does not
     unset: tuple[str, ...]  # removed where the container sets them
+    env_keys: tuple[str, ...]  # "KEY=" of every variable above and LD_LIBRARY_PATH
     lib_dirs: tuple[str, ...]
     notes: tuple[str, ...]
     facts: tuple[tuple[str, str], ...]
@@ -242,7 +251,8 @@ class Built:
 def build(selection: Selection, request: Request, catalog: Catalog, *,
           container_env: Iterable[str] = (), device_paths: frozenset[str] = frozenset(),
           mount_destinations: frozenset[str] = frozenset()) -> Built:
-    """The edits for one container. Raises AllocationError for a refused inventory edit."""
+    """The edits for one container. Raises AllocationError for a refused inventory edit,
+    RequestError for a container LD_LIBRARY_PATH too long to extend."""
     key = (tuple(d.key for d in selection.devices), request.options, request.drivers_only,
            request.visible)
     common = catalog.memo.get(key)
@@ -252,10 +262,17 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
             catalog.memo.clear()
         catalog.memo[key] = common
 
-    own_env = _env_map(container_env)
+    own_env = _own_env(container_env, common.env_keys)
     env = dict(common.env)
     if common.lib_dirs:
-        env[LD_LIBRARY_PATH] = _join_path(own_env.get(LD_LIBRARY_PATH, ""), common.lib_dirs)
+        own = own_env.get(LD_LIBRARY_PATH, "")
+        if len(own) + len(LD_LIBRARY_PATH) + 1 >= MAX_ENV_STRING:
+            raise RequestError(f"{len(own)} characters: nri-accel appends the driver's "
+                               "library directory to it, and a variable of "
+                               f"{MAX_ENV_STRING} bytes or more cannot be passed to a "
+                               "process (the kernel's MAX_ARG_STRLEN)",
+                               source=f"env {LD_LIBRARY_PATH}")
+        env[LD_LIBRARY_PATH] = _join_path(own, common.lib_dirs)
     for k, v in common.defaults:
         if k not in own_env:
             env[k] = v
@@ -335,17 +352,23 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
         env=tuple(sorted(env.items())),
         defaults=tuple(sorted(defaults.items())),
         unset=tuple(unset),
+        env_keys=tuple(f"{k}=" for k in sorted({*env, *defaults, *unset,
+                                               *((LD_LIBRARY_PATH,) if lib_dirs else ())})),
         lib_dirs=tuple(lib_dirs),
         notes=tuple(notes),
         facts=tuple(facts),
     )
 
 
-def _env_map(env: Iterable[str]) -> dict[str, str]:
+def _own_env(env: Iterable[str], keys: tuple[str, ...]) -> dict[str, str]:
+    """The container's values of the variables `keys` ("KEY=" prefixes), the last
+    definition winning. The entries are filtered in C (str.startswith with a tuple): an
+    env of tens of thousands of entries costs a few milliseconds, not a Python loop."""
     out: dict[str, str] = {}
-    for kv in env:
-        key, _, value = kv.partition("=")
-        out[key] = value
+    if keys:
+        for kv in filter(methodcaller("startswith", keys), env):
+            key, _, value = kv.partition("=")
+            out[key] = value
     return out
 
 

@@ -33,7 +33,6 @@ container's own annotations, not the copies of its pod's. Every change bumps
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -176,7 +175,7 @@ class Engine:
         with self._lock:
             return self.holdings.release_pod(pod_uid, pod_id)
 
-    def load_checkpoint(self, grants: Iterable[Grant], *, known: bool) -> None:
+    def load_checkpoint(self, grants: Iterable[Grant], known: bool) -> None:
         """Start from a checkpoint's grants (known=False: it could not be read)."""
         grants = list(grants)
         with self._lock:
@@ -201,17 +200,6 @@ class Engine:
         log.info("allocations_restored", containers=len(grants),
                  held=sum(len(g.exclusive) for g in grants),
                  released_not_running=len(dropped))
-
-    def device_states(self) -> dict[tuple[str, str], int]:
-        """(kind, state) -> devices, state one of free, held, unhealthy (for metrics)."""
-        with self._lock:
-            held = self.holdings.held_keys()
-            devices = self._tables.inventory.devices
-        out: Counter[tuple[str, str]] = Counter()
-        for d in devices:
-            state = "unhealthy" if not d.healthy else "held" if d.key in held else "free"
-            out[(d.kind, state)] += 1
-        return dict(out)
 
 
 def grant_annotations(grant: Grant) -> Mapping[str, str]:

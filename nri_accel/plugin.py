@@ -3,12 +3,15 @@
 Owns: AccelPlugin (Synchronize -> Engine.restore, CreateContainer -> Engine.plan ->
 adjustment -> size check -> Engine.commit, StopContainer/RemoveContainer and
 Stop/RemovePodSandbox -> release, Configure -> a warning when the runtime hands over a
-plugin configuration; the one canonical log line per CreateContainer) and main_run (the
-`nri-accel run` daemon: the App, the grant checkpoint, the state shared with the device
-plugin, the refresher and the stub). Imports nri_accel.app, nri_accel.config,
-nri_accel.container, nri_accel.engine, nri_accel.errors, nri_accel.log,
-nri_accel.request (the grant annotation keys), nri_accel.state, nri_accel.ttrpc (the
-message size limit) and nri_accel.nri (stub, adjust, convert).
+plugin configuration; the one canonical log line per CreateContainer; each request
+counted and timed for the metrics) and main_run (the `nri-accel run` daemon: the App,
+the grant checkpoint, the state shared with the device plugin, the refresher, the
+metrics server when an address is given, and the stub). Imports nri_accel.app,
+nri_accel.config, nri_accel.container, nri_accel.engine, nri_accel.errors,
+nri_accel.inventory, nri_accel.log, nri_accel.metrics (nri_accel.metrics.server, with
+prometheus-client, only when metrics are on), nri_accel.request (the grant annotation
+keys), nri_accel.state, nri_accel.ttrpc (the message size limit) and nri_accel.nri
+(stub, adjust, convert).
 
 Logs go to stderr, or to --log-file. A plugin the runtime launches itself
 (pre-registered: NRI_PLUGIN_SOCKET set) has stdout and stderr on /dev/null, so its
@@ -25,6 +28,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from nri_accel import log as logging_setup
@@ -33,6 +37,8 @@ from nri_accel.config import DEFAULT_CONFIG_PATH
 from nri_accel.container import ContainerInfo
 from nri_accel.engine import Engine, Plan
 from nri_accel.errors import ConfigError, InternalError, NriAccelError, RequestError
+from nri_accel.inventory import Inventory
+from nri_accel.metrics import ERROR, OK, REFUSED, RUN_EVENTS, RequestRecorder, device_counts
 from nri_accel.nri import adjust, convert
 from nri_accel.nri.stub import Stub, StubConfigError, resolve_identity
 from nri_accel.request import RESERVED_KEYS
@@ -59,6 +65,8 @@ class AccelPlugin:
     def __init__(self, engine: Engine, on_change: Any = None) -> None:
         self.engine = engine
         self._on_change = on_change or (lambda: None)
+        self.requests = RequestRecorder.for_events(RUN_EVENTS)
+        self._created = self.requests["create_container"]
 
     def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
         """Configure carries the runtime's plugin configuration: for a plugin it launches,
@@ -73,7 +81,8 @@ class AccelPlugin:
                                f"(default {DEFAULT_CONFIG_PATH}), not from the runtime")
 
     def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
-        self.engine.restore(convert.live_containers(containers, pods, RESERVED_KEYS))
+        with self._timed("synchronize"):
+            self.engine.restore(convert.live_containers(containers, pods, RESERVED_KEYS))
         self._on_change()
 
     def create_container(self, pod: Any, container: Any) -> Any:
@@ -93,28 +102,44 @@ class AccelPlugin:
             raise InternalError(f"nri-accel internal error: {exc}") from exc
         if plan.grant.exclusive or plan.grant.shared:
             self._on_change()
+        elapsed = time.perf_counter_ns() - started
+        self._created.record(OK, elapsed / 1e9)
         log.info("container_created", namespace=_shown(info.namespace),
                  pod=_shown(info.pod_name), container=_shown(info.container_name),
                  devices=[d.qualified_name for d in plan.devices],
                  granted_by={q: _shown(s) for q, s in plan.granted_by.items()},
                  **{k: v for k, v in plan.facts if plan.devices},
                  cdi_devices=list(plan.cdi_devices), notes=list(plan.notes),
-                 duration_us=(time.perf_counter_ns() - started) // 1000)
+                 duration_us=elapsed // 1000)
         return result
 
     def _refused(self, info: ContainerInfo, exc: Exception, started: int) -> None:
+        elapsed = time.perf_counter_ns() - started
         unexpected = not isinstance(exc, NriAccelError)
+        self._created.record(ERROR if unexpected else REFUSED, elapsed / 1e9)
         log.warning("container_refused", namespace=_shown(info.namespace),
                     pod=_shown(info.pod_name), container=_shown(info.container_name),
                     error=_shown(str(exc), 1024), source=_shown(getattr(exc, "source", "")),
-                    duration_us=(time.perf_counter_ns() - started) // 1000,
-                    exc_info=exc if unexpected else None)
+                    duration_us=elapsed // 1000, exc_info=exc if unexpected else None)
+
+    @contextlib.contextmanager
+    def _timed(self, event: str) -> Iterator[None]:
+        """Record one request of `event`: OK, or ERROR when it raises."""
+        started = time.perf_counter_ns()
+        outcome = ERROR
+        try:
+            yield
+            outcome = OK
+        finally:
+            self.requests[event].record(outcome, (time.perf_counter_ns() - started) / 1e9)
 
     def stop_container(self, pod: Any, container: Any) -> None:
-        self._released(self.engine.release(container.id))
+        with self._timed("stop_container"):
+            self._released(self.engine.release(container.id))
 
     def remove_container(self, pod: Any, container: Any) -> None:
-        self._released(self.engine.release(container.id))
+        with self._timed("remove_container"):
+            self._released(self.engine.release(container.id))
 
     def stop_pod_sandbox(self, pod: Any) -> None:
         # CRI-O sends nothing for a container whose `runc create` failed after the
@@ -207,12 +232,35 @@ async def _serve(app: App, engine: Engine, checkpoint: Checkpoint, identity: Any
     stub.install_signal_handlers()
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(_publish_status(stub, config.state_dir))]
-    refresher = app.refresher(engine.inventory, engine.swap_inventory)
+    exits = contextlib.AsyncExitStack()
+    on_refresh = engine.swap_inventory
+    if app.metrics_address is not None:
+        from nri_accel.metrics.server import MetricsServer, RunMetrics
+
+        metrics = RunMetrics(stub.plugin.requests)  # type: ignore[attr-defined]
+
+        def sample() -> None:
+            metrics.set_runtime(connected=stub.registered.is_set(),
+                                registrations=stub.registrations)
+            metrics.set_devices(device_counts(engine.inventory, engine.holdings.held_keys()))
+
+        def ready() -> str | None:
+            return None if stub.registered.is_set() else (
+                f"not registered with the container runtime ({stub.socket_path})")
+
+        def on_refresh(inventory: Inventory) -> None:
+            engine.swap_inventory(inventory)
+            metrics.inventory_refreshed()
+
+        await exits.enter_async_context(
+            MetricsServer(metrics, app.metrics_address, ready=ready, sample=sample))
+    refresher = app.refresher(engine.inventory, on_refresh)
     if refresher is not None:
         tasks.append(loop.create_task(refresher.run()))
     try:
         return await stub.run()
     finally:
+        await exits.aclose()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -111,17 +111,17 @@ class RequestRecorder:
 
 
 def device_counts(inventory: Inventory, held: Iterable[str]) -> dict[tuple[str, str], int]:
-    """(kind, state) -> number of devices, for RunMetrics.set_devices. `held`: the
-    qualified names running containers hold (Engine.holdings()). An unhealthy device is
-    counted as unhealthy whether held or not. Every kind gets all three states, zeros
-    included, so that a state that empties reads 0 rather than vanishing."""
+    """(kind, state) -> number of devices, for RunMetrics.set_devices. `held`: the keys
+    (Device.key) running containers hold exclusively (Holdings.held_keys()). An unhealthy
+    device is counted as unhealthy whether held or not. Every kind gets all three
+    states, zeros included, so that a state that empties reads 0 rather than vanishing."""
     held = set(held)
     counts: dict[tuple[str, str], int] = {}
     for device in inventory.devices:
         for state in DEVICE_STATES:
             counts.setdefault((device.kind, state), 0)
         state = (UNHEALTHY if not device.healthy
-                 else HELD if device.qualified_name in held else FREE)
+                 else HELD if device.key in held else FREE)
         counts[device.kind, state] += 1
     return dict(sorted(counts.items()))
 

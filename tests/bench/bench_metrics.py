@@ -78,7 +78,7 @@ def main() -> None:
     requests = RequestRecorder.for_events(RUN_EVENTS)
     metrics = RunMetrics(requests)
     inventory = Inventory.load(DEMO)
-    metrics.set_devices(device_counts(inventory, [inventory.devices[0].qualified_name]))
+    metrics.set_devices(device_counts(inventory, [inventory.devices[0].key]))
     recorder = requests["create_container"]
     native = CollectorRegistry()  # prometheus_client's own objects, for comparison
     counter = Counter("requests", "", ("event", "outcome"), registry=native)

@@ -42,12 +42,13 @@ def _retained(fn: object, rounds: int) -> int:
 
 def test_memos_do_not_keep_large_container_env() -> None:
     # Each container has its own 1 MiB of env that nri-accel does not read, and its own
-    # 1 MiB LD_LIBRARY_PATH (which it extends): none of it may stay behind in a memo.
+    # 120 KiB LD_LIBRARY_PATH (which it extends; the longest the kernel would pass on is
+    # 128 KiB): none of it may stay behind in a memo.
     eng = engine("standalone")
 
     def plan(i: int) -> None:
         info = container(cid=f"c{i}", env=[
-            "NVIDIA_VISIBLE_DEVICES=0", f"LD_LIBRARY_PATH=/lib{i}:" + "x" * MIB,
+            "NVIDIA_VISIBLE_DEVICES=0", f"LD_LIBRARY_PATH=/lib{i}:" + "x" * (120 << 10),
             f"JUNK{i}=" + "y" * MIB])
         p = eng.plan(info)
         build_adjustment(p.edits, p.annotations, p.cdi_devices)

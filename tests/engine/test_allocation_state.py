@@ -1,0 +1,232 @@
+"""Allocation state: devices held by stable identity across renumbering and restarts, the
+one exclusivity rule, the grant checkpoint, and what ends a grant.
+
+The renumbered node is the demo node with its GPUs' indices shuffled and GPU 1 gone (as
+after a GPU falls off the bus and the driver reloads: NVML's own documentation says
+enumeration order is not stable; the UUIDs and PCI bus ids stay).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from engine_testing import admit, allocated, container, demo_inventory, held, kubernetes, standalone
+
+from nri_accel.config import Config, DevicesConfig, PolicyConfig
+from nri_accel.engine import Engine
+from nri_accel.errors import AllocationError, StateError
+from nri_accel.inventory import Inventory
+from nri_accel.state import CHECKPOINT_FILE, Checkpoint, Grant, Holdings
+from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG
+
+BOOT = "6b8a1d1e-0000-4000-8000-000000000001"
+
+
+def renumbered(inventory: Inventory) -> Inventory:
+    """The same node after a renumbering: GPU 1 is gone, the other whole GPUs are
+    numbered in reverse (their UUIDs, PCI bus ids and nodes are unchanged), MIG devices
+    keep their parent and get new indices."""
+    gpus = [d for d in inventory.of_kind(KIND_GPU) if d.name not in ("1", "7")]
+    names = {d.name: str(len(gpus) - 1 - i) for i, d in enumerate(gpus)}
+    devices = [dataclasses.replace(d, name=names[d.name], links=()) for d in gpus]
+    devices.append(inventory.find(KIND_GPU, "7"))
+    migs = inventory.of_kind(KIND_MIG)
+    devices += [dataclasses.replace(m, name=f"7:{len(migs) - 1 - i}")
+                for i, m in enumerate(migs)]
+    return Inventory(devices=tuple(devices), drivers=inventory.drivers)
+
+
+def uuids(engine: Engine, container_id: str) -> set[str]:
+    grant = engine.holdings.get(container_id)
+    assert grant is not None
+    return {k.partition("=")[2] for k in grant.exclusive}
+
+
+# ---- renumbering --------------------------------------------------------------------------
+
+def test_a_renumbered_node_never_hands_a_held_device_to_a_second_container():
+    engine = Engine(demo_inventory(), standalone())
+    first = admit(engine, allocated("nvidia.com/gpu: 3", cid="a"))
+    mig = admit(engine, allocated("nvidia.com/mig: 1", cid="m"))
+    engine.swap_inventory(renumbered(demo_inventory()))
+    # Everything still free is 6 GPUs minus the 3 held (one of which may be GPU 1, gone).
+    taken = {d.uuid for d in first.devices}
+    free = {d.uuid for d in engine.inventory.of_kind(KIND_GPU)
+            if d.attributes.get("mig_mode") != "enabled"} - taken
+    second = admit(engine, allocated(f"nvidia.com/gpu: {len(free)}", cid="b"))
+    assert {d.uuid for d in second.devices} == free
+    with pytest.raises(AllocationError, match="only 0 of"):
+        admit(engine, allocated("nvidia.com/gpu: 1", cid="c"))
+    other_mig = admit(engine, allocated("nvidia.com/mig: 2", cid="n"))
+    assert not {d.uuid for d in other_mig.devices} & {d.uuid for d in mig.devices}
+
+
+def test_a_held_device_gone_from_the_node_is_said_and_stays_held(all_logs):
+    from structlog.testing import capture_logs
+
+    engine = Engine(demo_inventory(), standalone())
+    plan = admit(engine, allocated("nvidia.com/gpu=1", cid="a"))
+    with capture_logs() as logs:
+        engine.swap_inventory(renumbered(demo_inventory()))
+    (gone,) = [e for e in logs if e["event"] == "held_device_gone"]
+    assert gone["device"] == f"nvidia.com/gpu={plan.devices[0].uuid}"
+    assert gone["container_id"] == "a" and gone["log_level"] == "warning"
+    assert uuids(engine, "a") == {plan.devices[0].uuid}
+    # Back on the bus under another index: still that container's.
+    engine.swap_inventory(demo_inventory())
+    with pytest.raises(AllocationError, match="is held by default/pod/main-a"):
+        admit(engine, allocated("nvidia.com/gpu=1", cid="b"))
+
+
+def test_restart_and_synchronize_on_a_renumbered_node_keep_every_grant():
+    engine = Engine(demo_inventory(), standalone())
+    plans = {cid: admit(engine, allocated(req, cid=cid))
+             for cid, req in (("a", "nvidia.com/gpu: 2"), ("m", "nvidia.com/mig: 2"))}
+    restarted = Engine(renumbered(demo_inventory()), standalone())
+    restarted.restore(container(cid=cid, annotations=dict(p.annotations))
+                      for cid, p in plans.items())
+    held_uuids = {d.uuid for p in plans.values() for d in p.devices}
+    for i in range(8):
+        try:
+            plan = admit(restarted, allocated("nvidia.com/gpu: 1", cid=f"x{i}"))
+        except AllocationError:
+            break
+        assert not {d.uuid for d in plan.devices} & held_uuids
+    mig = admit(restarted, allocated("nvidia.com/mig: 1", cid="y"))
+    assert not {d.uuid for d in mig.devices} & held_uuids
+
+
+# ---- the exclusivity rule ---------------------------------------------------------------
+
+def test_a_named_device_held_by_a_count_is_refused_naming_the_holder():
+    engine = Engine(demo_inventory(), kubernetes("research"))
+    counted = admit(engine, container(namespace="research", pod="trainer", cid="t",
+                                      pod_annotations={"devices.nri-accel.io/pod":
+                                                       "nvidia.com/gpu: 1"}))
+    (gpu,) = counted.devices
+    with pytest.raises(AllocationError) as e:
+        admit(engine, allocated(f"nvidia.com/gpu={gpu.uuid}", pod="serving", cid="s"))
+    assert e.value.source == "default/serving/main-s"
+    assert f"nvidia.com/gpu={gpu.uuid} is held by research/trainer/main-t (id t)" in (
+        e.value.message)
+    assert held(engine) == {"t": (gpu.qualified_name,)}
+
+
+def test_time_sliced_replicas_and_shared_kinds_may_be_granted_to_several_containers():
+    engine = Engine(demo_inventory(), kubernetes())
+    uuid = demo_inventory().find(KIND_GPU, "2").uuid
+    for i in range(3):
+        plan = admit(engine, allocated(f"nvidia.com/gpu={uuid}::{i}", cid=f"r{i}"))
+        assert plan.qualified_names == ("nvidia.com/gpu=2",)
+        assert plan.annotations["nri-accel.io/shared"] == f"nvidia.com/gpu={uuid}"
+    assert held(engine) == {}
+    shared = Engine(demo_inventory(), Config(devices=DevicesConfig(
+        shared_kinds=frozenset({KIND_GPU}))))
+    for cid in ("a", "b"):
+        assert admit(shared, allocated("nvidia.com/gpu=3", cid=cid)).devices
+    assert held(shared) == {}
+
+
+def test_all_is_shared_and_neither_blocks_nor_is_blocked():
+    engine = Engine(demo_inventory(), standalone())
+    admit(engine, allocated("nvidia.com/gpu=0", cid="owner"))
+    monitor = admit(engine, container(cid="mon", env=("NVIDIA_VISIBLE_DEVICES=all",)))
+    assert "nvidia.com/gpu=0" in monitor.qualified_names
+    assert held(engine) == {"owner": ("nvidia.com/gpu=0",)}
+
+
+def test_a_new_create_of_the_same_pod_and_name_replaces_the_earlier_grant():
+    # CRI-O runs `runc create` inside CreateContainer and sends nothing when it fails
+    # (capture crio-1.36.3-failed-create): kubelet's retry is a new container id.
+    engine = Engine(demo_inventory(), standalone())
+    for attempt in range(3):
+        admit(engine, allocated("nvidia.com/gpu: 2", cid=f"try{attempt}", name="app"))
+        assert list(held(engine)) == [f"try{attempt}"]
+    assert len(held(engine)["try2"]) == 2
+
+
+def test_a_pod_sandbox_ending_releases_every_container_of_the_pod():
+    engine = Engine(demo_inventory(), standalone())
+    admit(engine, allocated("nvidia.com/gpu: 1", pod="p", cid="a"))
+    admit(engine, allocated("nvidia.com/gpu: 1", pod="p", cid="b"))
+    admit(engine, allocated("nvidia.com/gpu: 1", pod="q", cid="c"))
+    released = engine.release_pod("uid-p", "")
+    assert sorted(g.container_id for g in released) == ["a", "b"]
+    assert list(held(engine)) == ["c"]
+
+
+def test_cdi_passthrough_grants_are_held():
+    config = Config(policy=PolicyConfig(mode="standalone"),
+                    devices=DevicesConfig(cdi_passthrough=True))
+    engine = Engine(demo_inventory(), config)
+    plan = admit(engine, container(cid="cdi", annotations={"cdi.k8s.io/x": "nvidia.com/gpu=3"}))
+    assert plan.cdi_devices == ("nvidia.com/gpu=3",) and plan.devices == ()
+    assert held(engine) == {"cdi": ("nvidia.com/gpu=3",)}
+    with pytest.raises(AllocationError, match="is held by"):
+        admit(engine, allocated("nvidia.com/gpu=3", cid="other"))
+
+
+# ---- the checkpoint -----------------------------------------------------------------------
+
+def _checkpoint(tmp_path: Path, boot: str = BOOT) -> Checkpoint:
+    return Checkpoint(str(tmp_path / "state"), boot_id=boot)
+
+
+def test_grants_survive_a_restart_without_synchronize(tmp_path: Path):
+    engine = Engine(demo_inventory(), standalone())
+    plan = admit(engine, allocated("nvidia.com/gpu: 4", cid="a"))
+    checkpoint = _checkpoint(tmp_path)
+    checkpoint.save(engine.holdings.to_json(checkpoint.boot_id))
+
+    restarted = Engine(demo_inventory(), standalone())
+    restarted.load_checkpoint(*_checkpoint(tmp_path).load())
+    assert held(restarted) == held(engine)
+    other = admit(restarted, allocated("nvidia.com/gpu: 3", cid="b"))
+    assert not {d.uuid for d in other.devices} & {d.uuid for d in plan.devices}
+
+
+def test_a_checkpoint_of_another_boot_holds_nothing(tmp_path: Path):
+    engine = Engine(demo_inventory(), standalone())
+    admit(engine, allocated("nvidia.com/gpu: 4", cid="a"))
+    checkpoint = _checkpoint(tmp_path)
+    checkpoint.save(engine.holdings.to_json(checkpoint.boot_id))
+    grants, known = _checkpoint(tmp_path, boot="another-boot").load()
+    assert (grants, known) == ([], True)
+
+
+def test_no_checkpoint_means_nothing_granted_on_this_boot(tmp_path: Path):
+    assert _checkpoint(tmp_path).load() == ([], True)
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "grants": []}),
+                                     json.dumps({"version": 1, "grants": [{"x": 1}]})])
+def test_an_unreadable_checkpoint_leaves_counts_refused_until_synchronize(tmp_path: Path,
+                                                                         content: str):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / CHECKPOINT_FILE).write_text(content)
+    engine = Engine(demo_inventory(), standalone())
+    engine.load_checkpoint(*_checkpoint(tmp_path).load())
+    with pytest.raises(StateError) as e:
+        admit(engine, allocated("nvidia.com/gpu: 1", cid="a"))
+    assert e.value.source == "container annotation devices.nri-accel.io"
+    assert e.value.status == "UNAVAILABLE"
+    assert admit(engine, allocated("nvidia.com/gpu=2", cid="named")).devices  # still served
+    engine.restore([])  # the runtime's view: nothing else runs
+    assert admit(engine, allocated("nvidia.com/gpu: 1", cid="a")).devices
+
+
+def test_the_checkpoint_file_is_replaced_whole(tmp_path: Path):
+    checkpoint = _checkpoint(tmp_path)
+    holdings = Holdings()
+    holdings.record(Grant("c1", name="ns/p/c", exclusive=frozenset({"x.io/y=a"})))
+    checkpoint.save(holdings.to_json(BOOT))
+    first = (tmp_path / "state" / CHECKPOINT_FILE).stat().st_ino
+    checkpoint.save(holdings.to_json(BOOT))
+    assert (tmp_path / "state" / CHECKPOINT_FILE).stat().st_ino != first  # renamed in
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [CHECKPOINT_FILE]
+    grants, known = checkpoint.load()
+    assert known and grants == [Grant("c1", name="ns/p/c", exclusive=frozenset({"x.io/y=a"}))]

@@ -1,0 +1,145 @@
+"""AccelPlugin over a real Engine: what a grant's life looks like from the runtime's side.
+
+An answer that could not be delivered holds nothing, a pod sandbox's end frees what its
+containers held (CRI-O sends nothing for a failed create), the checkpoint follows every
+change, and the status file the device plugin reads says whether `run` is registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from demo_node import demo_inventory
+from grants import held
+
+from nri_accel import plugin
+from nri_accel.config import Config, PolicyConfig
+from nri_accel.edits import MAX_ENV_STRING
+from nri_accel.engine import Engine
+from nri_accel.errors import RequestError
+from nri_accel.nri.simulator import make_container, make_pod
+from nri_accel.plugin import AccelPlugin
+from nri_accel.state import CHECKPOINT_FILE, Checkpoint, CheckpointWriter, NriStatus, boottime
+from nri_accel.ttrpc import MAX_MESSAGE_SIZE
+
+STANDALONE = Config(policy=PolicyConfig(mode="standalone"))
+KEY = "devices.nri-accel.io/container.main"
+
+pytestmark = pytest.mark.usefixtures("all_logs")
+
+
+@pytest.mark.parametrize(("length", "why"), [
+    (MAX_MESSAGE_SIZE, "cannot be passed to a process"),
+    (MAX_ENV_STRING, "cannot be passed to a process"),
+])
+def test_a_variable_too_long_to_extend_is_refused_by_name_and_holds_nothing(length, why):
+    engine = Engine(demo_inventory(), STANDALONE)
+    pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 2"}})
+    huge = "LD_LIBRARY_PATH=" + ":".join(f"/opt/lib{i:07d}" for i in range(length // 16))
+    ctr = make_container(pod, {"name": "main", "env": [huge]})
+    with pytest.raises(RequestError) as e:
+        AccelPlugin(engine).create_container(pod, ctr)
+    assert e.value.source == "env LD_LIBRARY_PATH"
+    assert why in e.value.message
+    assert held(engine) == {}
+    # The same container with a sane path is answered, and holds its GPUs.
+    ok = make_container(pod, {"name": "main", "env": ["LD_LIBRARY_PATH=/opt/lib"]})
+    AccelPlugin(engine).create_container(pod, ok)
+    assert len(held(engine)[ok.id]) == 2
+
+
+def test_an_answer_over_the_message_limit_is_refused_before_anything_is_held(monkeypatch):
+    # Whatever makes an adjustment too large for the runtime's connection (here the limit
+    # is lowered: no real request reaches 4 MiB once LD_LIBRARY_PATH is bounded), the
+    # container is refused naming its largest variable, and nothing is held.
+    monkeypatch.setattr(plugin, "MAX_ADJUSTMENT_BYTES", 1000)
+    engine = Engine(demo_inventory(), STANDALONE)
+    pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 2"}})
+    ctr = make_container(pod, {"name": "main", "env": ["LD_LIBRARY_PATH=" + "/x" * 400]})
+    with pytest.raises(RequestError) as e:
+        AccelPlugin(engine).create_container(pod, ctr)
+    assert e.value.source == "env LD_LIBRARY_PATH"
+    assert "limit of the runtime's NRI connection" in e.value.message
+    assert held(engine) == {}
+
+
+def test_a_failed_create_is_freed_by_its_pod_sandbox_ending():
+    # crio-1.36.3-failed-create: CreateContainer answered, `runc create` failed, then only
+    # StopPodSandbox and RemovePodSandbox.
+    engine = Engine(demo_inventory(), STANDALONE)
+    accel = AccelPlugin(engine)
+    pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 4"}})
+    accel.create_container(pod, make_container(pod, {"name": "main"}))
+    other = make_pod({"name": "q", "annotations": {KEY: "nvidia.com/gpu: 1"}})
+    accel.create_container(other, make_container(other, {"name": "main"}))
+    assert len(held(engine)) == 2
+    accel.stop_pod_sandbox(pod)
+    assert [len(v) for v in held(engine).values()] == [1]
+    accel.remove_pod_sandbox(pod)  # harmless once freed
+    assert [len(v) for v in held(engine).values()] == [1]
+
+
+async def test_the_checkpoint_follows_every_change(tmp_path: Path):
+    engine = Engine(demo_inventory(), STANDALONE)
+    checkpoint = Checkpoint(str(tmp_path), boot_id="boot-1")
+    writer = CheckpointWriter(checkpoint, engine.holdings.snapshot)
+    accel = AccelPlugin(engine, writer.changed)
+    pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 1"}})
+    ctr = make_container(pod, {"name": "main"})
+    accel.create_container(pod, ctr)
+    await writer.flush()
+    doc = json.loads((tmp_path / CHECKPOINT_FILE).read_text())
+    assert doc["boot_id"] == "boot-1"
+    assert [g["container_id"] for g in doc["grants"]] == [ctr.id]
+    accel.remove_container(pod, ctr)
+    await writer.flush()
+    assert checkpoint.load() == ([], True)
+
+
+async def test_a_checkpoint_that_cannot_be_written_is_an_error_not_a_crash(tmp_path: Path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    writer = CheckpointWriter(Checkpoint(str(blocker)), lambda: ())
+    writer.changed()
+    await writer.flush()
+    assert writer.failures == 1
+
+
+def test_the_status_record_tells_the_device_plugin_whether_run_is_registered(tmp_path: Path):
+    assert NriStatus.load(str(tmp_path)).usable() is False
+    assert "no `nri-accel run`" in NriStatus.load(str(tmp_path)).why_not()
+    now = boottime()
+    NriStatus(True, "containerd v2.3.4", "40-nri-accel", 123, now).save(str(tmp_path))
+    status = NriStatus.load(str(tmp_path))
+    assert status.usable(now + 1) and status.why_not(now + 1) == ""
+    assert not status.usable(now + NriStatus.STALE + 1)
+    assert "stopped updating its state" in status.why_not(now + NriStatus.STALE + 1)
+    NriStatus(False, "", "40-nri-accel", 123, now).save(str(tmp_path))
+    assert "not registered" in NriStatus.load(str(tmp_path)).why_not(now)
+    (tmp_path / "nri-plugin.json").write_text("{garbage")
+    assert NriStatus.load(str(tmp_path)).usable() is False
+
+
+async def test_writes_coalesce_while_one_is_in_flight(tmp_path: Path):
+    engine = Engine(demo_inventory(), STANDALONE)
+    checkpoint = Checkpoint(str(tmp_path), boot_id="b")
+    saves: list[str] = []
+    real_save = checkpoint.save
+
+    def save(text: str) -> None:
+        saves.append(text)
+        real_save(text)
+
+    checkpoint.save = save  # type: ignore[method-assign]
+    writer = CheckpointWriter(checkpoint, engine.holdings.snapshot)
+    accel = AccelPlugin(engine, writer.changed)
+    for i in range(20):
+        pod = make_pod({"name": f"p{i}", "annotations": {KEY: "nvidia.com/gpu=0"}})
+        engine.holdings.replace_all([])  # each create the only one
+        accel.create_container(pod, make_container(pod, {"name": "main"}))
+    await writer.flush()
+    assert 1 <= len(saves) < 20
+    await asyncio.sleep(0)
