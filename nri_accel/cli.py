@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Start the real daemon against the built-in demo inventory "
                        "and a simulated container runtime, create the demo pods and print "
                        "what each container gets.")
-    p.add_argument("--json", action="store_true", help="print each adjustment as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document: node, daemon, containers (each adjustment "
+                   "in the protobuf JSON mapping, or the refusal) and the daemon log")
     p.set_defaults(target="nri_accel.demo:main_demo")
 
     p = sub.add_parser("version", help="print the version")

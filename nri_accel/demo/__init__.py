@@ -38,14 +38,20 @@ def main_demo(args: argparse.Namespace) -> int:
     from nri_accel import log
 
     log.configure(level="warning", fmt="console")
-    with tempfile.TemporaryDirectory(prefix="nri-accel-demo-") as tmp:
-        return asyncio.run(_demo(Path(tmp), as_json=args.json))
+    try:
+        with tempfile.TemporaryDirectory(prefix="nri-accel-demo-") as tmp:
+            return asyncio.run(_demo(Path(tmp), as_json=args.json))
+    except BrokenPipeError:
+        # `nri-accel demo | head`: the reader left; no traceback (and none at exit).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 async def _demo(tmp: Path, *, as_json: bool) -> int:
     from nri_accel.config import load_config
     from nri_accel.explain import KubeletDevices, pod_containers, read_manifests
     from nri_accel.inventory import Inventory
+    from nri_accel.nri.adjust import to_dict
     from nri_accel.nri.simulator import PluginError, Simulator, make_container, make_pod
 
     inventory = Inventory.load(INVENTORY)
@@ -54,51 +60,81 @@ async def _demo(tmp: Path, *, as_json: bool) -> int:
                   for c in pod_containers(m, str(PODS), kubelet)]
     socket_path = str(tmp / "nri.sock")
     log_path = tmp / "daemon.log"
-    _header(inventory)
+    node = _node(inventory)
+    if not as_json:
+        _print_header(node)
+    results: list[dict[str, Any]] = []
     async with Simulator(socket_path, runtime_name="nri-accel-demo") as sim:
+        # The daemon's stdout goes to stderr: stdout is the demo's (one JSON document).
         daemon = subprocess.Popen(
             [sys.executable, "-m", "nri_accel.cli", "run", "--socket", socket_path,
              "--inventory", str(INVENTORY), "--config", str(CONFIG),
              "--log-file", str(log_path), "--state-dir", str(tmp / "state")],
-            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.DEVNULL, stdout=2,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
             plugin = await sim.wait_for_plugin(timeout=10.0)
-            print(f"daemon registered as {plugin.full_name} (pid {daemon.pid}), "
-                  f"socket {socket_path}\n")
+            registered = {"name": plugin.full_name, "pid": daemon.pid, "socket": socket_path}
+            if not as_json:
+                print(f"daemon registered as {plugin.full_name} (pid {daemon.pid}), "
+                      f"socket {socket_path}\n")
             for c in containers:
                 info = c.info
                 pod = make_pod({"name": info.pod_name, "namespace": info.namespace,
                                 "uid": info.pod_uid, "annotations": dict(info.pod_annotations)})
                 ctr = make_container(pod, {"name": info.container_name, "env": list(info.env),
                                            "annotations": dict(info.container_annotations)})
+                result: dict[str, Any] = {
+                    "namespace": info.namespace, "pod": info.pod_name,
+                    "container": info.container_name,
+                    "kubelet_annotations": dict(sorted(info.container_annotations.items())),
+                }
                 title = f"{info.namespace}/{info.pod_name}/{info.container_name}"
                 try:
                     rsp = await sim.create_container(pod, ctr)
                 except PluginError as e:
-                    print(f"{title}\n  REFUSED  {e.message}\n")
-                    continue
-                if as_json:
-                    from nri_accel.nri.adjust import to_json
-
-                    print(f"{title}\n{to_json(rsp.adjust)}")
+                    result["refused"] = {"code": e.code.name, "message": e.message}
+                    if not as_json:
+                        print(f"{title}\n  REFUSED  {e.message}\n")
                 else:
-                    print(_render(title, info.container_annotations, rsp.adjust))
+                    result["adjustment"] = to_dict(rsp.adjust)
+                    if not as_json:
+                        print(_render(title, info.container_annotations, rsp.adjust))
+                results.append(result)
         finally:
             daemon.terminate()
             daemon.wait(timeout=10)
-    _print_log(log_path)
+    log_records = _read_log(log_path)
+    if as_json:
+        doc = {"node": node, "daemon": registered, "containers": results, "log": log_records}
+        print(json.dumps(doc, indent=2))
+    else:
+        _print_log(log_records)
     return 0
 
 
-def _header(inventory: Any) -> None:
+def _node(inventory: Any) -> dict[str, Any]:
+    """The demo node in brief: its inputs, device counts by kind and NVIDIA driver."""
     nvidia = inventory.driver("nvidia")
     kinds: dict[str, int] = {}
     for d in inventory.devices:
         kinds[d.kind] = kinds.get(d.kind, 0) + 1
-    print("demo node: " + ", ".join(f"{n} x {k}" for k, n in kinds.items())
-          + (f"; NVIDIA driver {nvidia.version}, CUDA {nvidia.cuda_version}" if nvidia else ""))
-    print(f"inventory {INVENTORY}\nconfig    {CONFIG}\npods      {PODS}\n")
+    return {
+        "inventory": str(INVENTORY), "config": str(CONFIG), "pods": str(PODS),
+        "devices": kinds,
+        "nvidia_driver": ({"version": nvidia.version, "cuda_version": nvidia.cuda_version}
+                          if nvidia else None),
+    }
+
+
+def _print_header(node: Mapping[str, Any]) -> None:
+    nvidia = node["nvidia_driver"]
+    print("demo node: " + ", ".join(f"{n} x {k}" for k, n in node["devices"].items())
+          + (f"; NVIDIA driver {nvidia['version']}, CUDA {nvidia['cuda_version']}"
+             if nvidia else ""))
+    print(f"inventory {node['inventory']}\nconfig    {node['config']}\n"
+          f"pods      {node['pods']}\n")
 
 
 def _render(title: str, kubelet: Mapping[str, str], adj: Any) -> str:
@@ -123,21 +159,30 @@ def _render(title: str, kubelet: Mapping[str, str], adj: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _print_log(path: Path) -> None:
-    """The daemon's canonical per-container log lines, as an operator sees them."""
-    print("daemon log (one line per CreateContainer):")
+def _read_log(path: Path) -> list[dict[str, Any]]:
+    """The daemon's canonical per-container log records (one per CreateContainer)."""
     try:
         text = path.read_text()
     except OSError:
-        print("  (no log written)")
-        return
+        return []
+    records = []
     for line in text.splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("event") not in ("container_created", "container_refused"):
-            continue
+        if isinstance(rec, dict) and rec.get("event") in ("container_created",
+                                                          "container_refused"):
+            records.append(rec)
+    return records
+
+
+def _print_log(records: list[dict[str, Any]]) -> None:
+    """The canonical log lines, as an operator sees them."""
+    print("daemon log (one line per CreateContainer):")
+    if not records:
+        print("  (no log written)")
+    for rec in records:
         who = f"{rec.get('namespace')}/{rec.get('pod')}/{rec.get('container')}"
         if rec["event"] == "container_created":
             what = ",".join(rec.get("devices") or []) or "-"

@@ -40,13 +40,31 @@ class BuildError(RuntimeError):
     """The fake NVML library could not be compiled (no compiler, or a compile error)."""
 
 
+class NoCompilerError(BuildError):
+    """No C compiler here: tests/conftest.py skips the tests that need the library (or
+    fails them under NRI_ACCEL_REQUIRE_CC)."""
+
+
+NO_COMPILER = ("a C compiler (cc) is needed to build the fake libnvidia-ml.so.1 for the "
+               "NVIDIA tests: apt-get install gcc (or set CC)")
+
+
+def compiler() -> str | None:
+    """The C compiler to use: $CC when set (a name on PATH or a path), else cc or gcc."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
 def build(out_dir: Path, variant: str = "") -> Path:
     """Compile the fake library for `variant` into `out_dir` and return its path."""
     if variant not in VARIANTS:
         raise BuildError(f"unknown fake NVML variant {variant!r} (known: {sorted(VARIANTS)})")
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if not cc:
-        raise BuildError("no C compiler found (set CC or install cc/gcc) to build fake_nvml.c")
+        given = os.environ.get("CC")
+        raise NoCompilerError(NO_COMPILER + (f"; CC={given} is not found" if given else ""))
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / (f"libnvidia-ml-fake-{variant}.so" if variant else "libnvidia-ml-fake.so")
     cmd = [cc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-std=c11",
