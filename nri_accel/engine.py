@@ -16,7 +16,9 @@ so an answer that cannot be sent holds nothing.
 
 Allocation state (nri_accel.state.Holdings, keyed by Device.key: kind and UUID, else PCI
 bus id, else the spec's name): commit() records, release() and release_pod() drop,
-restore() rebuilds from the annotations a Plan adds to its container:
+restore() rebuilds from the runtime's list of running containers and the annotations a
+Plan adds to each (what the holdings already say of a listed container that carries
+none is kept: a runtime may not hand the annotations back):
 
     nri-accel.io/granted: Device.key of every device granted, sorted, comma separated
     nri-accel.io/shared:  those of them used shared (absent when none)
@@ -185,18 +187,20 @@ class Engine:
 
     def restore(self, containers: Iterable[ContainerInfo]) -> None:
         """Replace the allocation state with what the running `containers` (from
-        Synchronize: the runtime's view is the truth) were granted, as their own grant
-        annotations say. Unreadable annotations are logged and skipped: they never stop
-        the plugin. Afterwards the state is known."""
+        Synchronize: the runtime's view of what runs is the truth) hold: each one's own
+        grant annotations, else what the holdings (the checkpoint) say it was granted;
+        a grant of a container not listed ends. Unreadable annotations are logged and
+        skipped: they never stop the plugin. Afterwards the state is known."""
         grants = []
+        with self._lock:
+            before = {g.container_id: g for g in self.holdings.grants()}
         for info in containers:
-            grant = _read_grant(info)
+            grant = _read_grant(info) or before.get(info.container_id)
             if grant is not None:
                 grants.append(grant)
         with self._lock:
-            before = {g.container_id for g in self.holdings.grants()}
             self.holdings.replace_all(grants, known=True)
-        dropped = before - {g.container_id for g in grants}
+        dropped = before.keys() - {g.container_id for g in grants}
         log.info("allocations_restored", containers=len(grants),
                  held=sum(len(g.exclusive) for g in grants),
                  released_not_running=len(dropped))

@@ -142,13 +142,16 @@ class AccelPlugin:
             self._released(self.engine.release(container.id))
 
     def stop_pod_sandbox(self, pod: Any) -> None:
+        self._release_pod(pod)
+
+    def remove_pod_sandbox(self, pod: Any) -> None:
+        self._release_pod(pod)
+
+    def _release_pod(self, pod: Any) -> None:
         # CRI-O sends nothing for a container whose `runc create` failed after the
         # adjustment: the pod's end is where its grant ends.
         for g in self.engine.release_pod(pod.uid, pod.id):
             self._released(g)
-
-    def remove_pod_sandbox(self, pod: Any) -> None:
-        self.stop_pod_sandbox(pod)
 
     def _released(self, grant: Any) -> None:
         if grant is not None:

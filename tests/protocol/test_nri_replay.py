@@ -11,27 +11,23 @@ the runtime decodes them.
 
 from __future__ import annotations
 
-import asyncio
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 from wire import (
     CAPTURES,
-    PLUGIN_TO_RUNTIME,
-    FrameReader,
     decoded,
-    reads,
     relay_conns,
+    replay,
     runtime_requests,
 )
 
 from nri_accel.inventory import ContainerEdits, DeviceNode
 from nri_accel.nri import adjust
 from nri_accel.nri import nri_pb2 as pb
-from nri_accel.nri.stub import VALID_EVENTS, Identity, Stub
-from nri_accel.ttrpc import Frame, FrameType, ttrpc_pb2
+from nri_accel.nri.stub import VALID_EVENTS
+from nri_accel.ttrpc import FrameType, ttrpc_pb2
 
 INJECTED = ContainerEdits(device_nodes=(DeviceNode("/dev/fakeaccel9", 240, 9, file_mode=0o660),))
 
@@ -79,48 +75,12 @@ for _name in ("post_create_container", "start_container", "post_start_container"
             lambda self, pod, container, _n=_name: self._record(_n, container.name))
 
 
-async def replay(wire_dir: Path, capture: str, relay: int) -> tuple[list[tuple[int, Frame]],
-                                                                      RecordingPlugin, int]:
-    """Run the stub against one recorded runtime connection; (its frames, plugin, rc)."""
-    loop = asyncio.get_running_loop()
-    runtime_end, plugin_end = socket.socketpair()
-    runtime_end.setblocking(False)
-    plugin = RecordingPlugin()
-    stub = Stub(plugin, Identity("recorder", "10"), fd=plugin_end.detach())
-    served = loop.create_task(stub.run())
-    ours, go = FrameReader(), FrameReader()
-
-    async def pump() -> None:
-        while data := await loop.sock_recv(runtime_end, 1 << 20):
-            ours.feed(data)
-
-    pumping = loop.create_task(pump())
-
-    async def wait_for_answers(count: int) -> None:
-        while len(ours.frames) < count:
-            assert not pumping.done(), "the stub closed the connection"
-            await asyncio.sleep(0.001)
-
-    for read in reads(wire_dir, capture):
-        if read.conn != relay:
-            continue
-        if read.direction == PLUGIN_TO_RUNTIME:
-            go.feed(read.data)
-            continue
-        await asyncio.wait_for(wait_for_answers(len(go.frames)), 10)
-        await loop.sock_sendall(runtime_end, read.data)
-    await asyncio.wait_for(wait_for_answers(len(go.frames)), 10)
-    runtime_end.close()
-    rc = await asyncio.wait_for(served, 10)
-    pumping.cancel()
-    return ours.frames, plugin, rc
-
-
 RESPONSE_TYPES = {r: getattr(pb, f"{r}Response") for r in (
     "Configure", "Synchronize", "CreateContainer", "UpdateContainer", "StopContainer",
     "RunPodSandbox", "StopPodSandbox", "RemovePodSandbox", "PostCreateContainer",
     "StartContainer", "PostStartContainer", "PostUpdateContainer", "RemoveContainer",
     "ValidateContainerAdjustment")}
+RESPONSE_TYPES["StateChange"] = pb.Empty  # CRI-O sends most events as StateChange
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
@@ -128,7 +88,7 @@ async def test_stub_answers_the_recorded_runtime_as_it_expects(
     nri_wire_dir: Path, capture: str
 ) -> None:
     for relay in relay_conns(nri_wire_dir, capture):
-        frames, plugin, rc = await replay(nri_wire_dir, capture, relay)
+        frames, plugin, rc = await replay(nri_wire_dir, capture, relay, RecordingPlugin())
         assert rc == 0  # pre-registered: the connection ended, the stub returns
 
         # conn 2: our RegisterPlugin, as the runtime decodes it
@@ -167,14 +127,16 @@ async def test_stub_answers_the_recorded_runtime_as_it_expects(
 
         # the plugin saw each event once and one Synchronize with everything
         names = [name for name, _ in plugin.calls]
-        assert names[0] == "configure" and plugin.calls[0][1][0] == "containerd"
+        runtime = "cri-o" if capture.startswith("crio-") else "containerd"
+        assert names[0] == "configure" and plugin.calls[0][1][0] == runtime
         assert plugin.calls[1] == ("synchronize", (sync_pods, sync_containers))
         handled = [m for _, m, _ in requests if m not in ("Configure", "Synchronize")]
         assert len(names) == 2 + len(handled)
 
 
 async def test_split_synchronisation_reaches_the_plugin_once(nri_wire_dir: Path) -> None:
-    frames, plugin, _ = await replay(nri_wire_dir, "split-sync-1500-containers", 1)
+    frames, plugin, _ = await replay(nri_wire_dir, "split-sync-1500-containers", 1,
+                                     RecordingPlugin())
     assert ("synchronize", (750, 1500)) in plugin.calls  # both chunks, delivered once
     chunks = [r for r in decoded(nri_wire_dir, "split-sync-1500-containers")
               if r["method"] == "Synchronize" and r["ttrpc_type"] == "response"]

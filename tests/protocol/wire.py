@@ -10,14 +10,17 @@ streams into messages once the decoding tests have shown they do that right).
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nri_accel.nri.mux import Demux
+from nri_accel.nri.stub import Identity, Stub
 from nri_accel.ttrpc import Frame, FrameDecoder, FrameType, ttrpc_pb2
 
 RUNTIME_TO_PLUGIN = "runtime->plugin"
@@ -29,6 +32,9 @@ CAPTURES = (
     "sync-300-containers",
     "split-sync-1500-containers",
     "containerd-2.3.4-e2e",
+    "crio-1.36.3-lifecycle",
+    "crio-1.36.3-failed-create",
+    "crio-1.36.3-restart-sync",
 )
 
 
@@ -112,3 +118,46 @@ def runtime_requests(wire_dir: Path, capture: str, relay: int) -> list[tuple[int
             req = ttrpc_pb2.Request.FromString(frame.payload)
             out.append((frame.stream_id, req.method, req.payload))
     return out
+
+
+async def replay(wire_dir: Path, capture: str, relay: int,
+                 plugin: Any) -> tuple[list[tuple[int, Frame]], Any, int]:
+    """Run a Stub serving `plugin` against one recorded runtime connection, as a
+    pre-registered plugin on one end of a socketpair; (its frames, the plugin, rc).
+
+    The runtime->plugin reads are written in their original chunking; before each, the
+    stub must have answered as many messages as the Go plugin had at that point of the
+    recording, so the conversation happens in the recorded order (Configure right
+    after RegisterPlugin, each split Synchronize chunk after the previous answer)."""
+    loop = asyncio.get_running_loop()
+    runtime_end, plugin_end = socket.socketpair()
+    runtime_end.setblocking(False)
+
+    stub = Stub(plugin, Identity("recorder", "10"), fd=plugin_end.detach())
+    served = loop.create_task(stub.run())
+    ours, go = FrameReader(), FrameReader()
+
+    async def pump() -> None:
+        while data := await loop.sock_recv(runtime_end, 1 << 20):
+            ours.feed(data)
+
+    pumping = loop.create_task(pump())
+
+    async def wait_for_answers(count: int) -> None:
+        while len(ours.frames) < count:
+            assert not pumping.done(), "the stub closed the connection"
+            await asyncio.sleep(0.001)
+
+    for read in reads(wire_dir, capture):
+        if read.conn != relay:
+            continue
+        if read.direction == PLUGIN_TO_RUNTIME:
+            go.feed(read.data)
+            continue
+        await asyncio.wait_for(wait_for_answers(len(go.frames)), 10)
+        await loop.sock_sendall(runtime_end, read.data)
+    await asyncio.wait_for(wait_for_answers(len(go.frames)), 10)
+    runtime_end.close()
+    rc = await asyncio.wait_for(served, 10)
+    pumping.cancel()
+    return ours.frames, plugin, rc

@@ -27,6 +27,9 @@ from nri_accel.ttrpc import (
 CAPTURES = [
     "containerd-2.3.4-e2e",
     "create-devinj",
+    "crio-1.36.3-failed-create",
+    "crio-1.36.3-lifecycle",
+    "crio-1.36.3-restart-sync",
     "lifecycle-all-events",
     "split-sync-1500-containers",
     "sync-300-containers",
