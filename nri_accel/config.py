@@ -262,8 +262,10 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
                               source=r.src(f"{where}.name"))
         nodes = r.str_list(d, f"{where}.device_nodes", [])
         for n in nodes:
-            if not n.startswith("/dev/") or ".." in n.split("/"):
-                raise ConfigError(f"{n!r} must be a path under /dev without '..'",
+            # Syntax only; where a node may be (under /dev) is nri_accel.edits' rule,
+            # applied when the device is discovered (a Problem) and again when granted.
+            if not n.startswith("/") or ".." in n.split("/"):
+                raise ConfigError(f"{n!r} must be an absolute path without '..'",
                                   source=r.src(f"{where}.device_nodes"))
         env = r.str_list(d, f"{where}.env", [])
         for kv in env:

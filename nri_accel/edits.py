@@ -2,8 +2,9 @@
 
 Owns: the Catalog (every device's and driver capability's edits, checked and normalised
 once per inventory, and each family's tables), build() (Selection x Request x container
--> ContainerEdits: the final order, de-duplicated once), the safety rules for emitted
-paths, and the container env the edits write. Imports the standard library,
+-> ContainerEdits: the final order, de-duplicated once), the safety rules for what may be
+emitted (check_edits and its parts check_node, check_mount, ...; the mount denylist
+FORBIDDEN_SOURCES), and the container env the edits write. Imports the standard library,
 nri_accel.config (types), nri_accel.errors, nri_accel.inventory, nri_accel.policy (the
 Request), nri_accel.select (the Selection), nri_accel.errors and nri_accel.vendors. Pure:
 no I/O, no logging.
@@ -28,14 +29,24 @@ What a container gets:
   PATH as its only env and a timeout; hooks that come with CDI specs are emitted only when
   devices.hooks is on. A hook never receives anything from the container's env.
 
-Safety (defence in depth: discovery already guarantees it, a hand-written inventory JSON
-may not): every path is absolute, normalised and free of "..", device nodes live under
-/dev with a real major/minor and cgroup access within "rwm", mounts are bind mounts that
-always carry ro, nosuid, nodev, no mount lands on / or under /proc or /sys, nothing
-mounts a runtime socket or a directory holding one (a read-only bind of a socket still
-lets a process connect to it), and inventory env may not set LD_PRELOAD or LD_AUDIT. An
-edit breaking these is refused when a container needs it, with an AllocationError naming
-the device or capability; other containers are unaffected. Device nodes and mounts
+Safety (defence in depth: discovery already guarantees most of it, a hand-written
+inventory JSON may not; THE rules, which CDI spec loading and static devices call too):
+- paths are absolute, normalised and free of "..";
+- device nodes live under /dev (container and host path) with a real major/minor, type c
+  or b, and cgroup access holding r and w: through NRI the runtime allows "rw" (and runc
+  "m") whatever a node asks, so a narrower CDI `permissions` ("r", "w", "m", "none") is
+  refused rather than silently widened (RUNTIME_ACCESS);
+- a mount is a bind mount or a tmpfs, never another type (check_mount). A bind mount
+  always carries ro, nosuid, nodev and bind, never rw, suid, dev or shared propagation,
+  and its source is neither under nor an ancestor of a FORBIDDEN_SOURCES path (/proc,
+  /sys, /var/lib/kubelet, /etc/kubernetes, the runtimes' state and socket directories,
+  nri-accel's own state). A tmpfs has a name for its source, not a host path, keeps only
+  allow-listed options (size=, mode=, ..., rw or ro) and always carries nosuid, nodev.
+  No mount lands on / or under /proc, /sys or a runtime socket's directory (a read-only
+  bind of a socket still lets a process connect to it);
+- inventory env may not set LD_PRELOAD or LD_AUDIT.
+An edit breaking these is refused when a container needs it, with an AllocationError
+naming the device or capability; other containers are unaffected. Device nodes and mounts
 already in the container spec are not emitted again (two NRI plugins setting one path
 fail the container). Output is deterministic: env sorted by name, nodes by path in
 natural order, mounts by destination, gids ascending; nri.adjust keeps that order.
@@ -71,15 +82,90 @@ if TYPE_CHECKING:
 
 HOOK_ENV = ("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",)
 HOOK_TIMEOUT = 10  # seconds
-REQUIRED_MOUNT_OPTIONS = ("ro", "nosuid", "nodev")
-_DROPPED_MOUNT_OPTIONS = frozenset({"rw", "suid", "dev"})
+REQUIRED_MOUNT_OPTIONS = ("ro", "nosuid", "nodev")  # every bind mount
+TMPFS_REQUIRED_OPTIONS = ("nosuid", "nodev")  # every tmpfs (it may be written: it is its own)
+# Dropped from every mount: write access to a host path, set-uid files and device nodes
+# honoured, and shared propagation (a mount made inside the container would appear on the
+# host, and NRI makes the whole root filesystem rshared for it).
+_DROPPED_MOUNT_OPTIONS = frozenset({"rw", "suid", "dev", "shared", "rshared"})
+_DROPPED_TMPFS_OPTIONS = _DROPPED_MOUNT_OPTIONS - {"rw"}
+_BIND_OPTIONS = frozenset({"bind", "rbind"})
+BIND_TYPES = frozenset({"bind", "none", ""})  # CDI SPEC.md: a bind mount's type is a dummy
+TMPFS = "tmpfs"
+# What a tmpfs may carry besides the above: mount flags (mount(8) FILESYSTEM-INDEPENDENT
+# MOUNT OPTIONS) and tmpfs(5)'s own options. Anything else is refused: "remount", "bind",
+# filesystem options of another type, an option that smuggles more after a ','.
+_TMPFS_FLAGS = frozenset({
+    "ro", "rw", "nosuid", "nodev", "noexec", "exec", "noatime", "atime", "relatime",
+    "norelatime", "strictatime", "nostrictatime", "nodiratime", "diratime", "lazytime",
+    "nolazytime", "sync", "async", "dirsync", "private", "rprivate", "slave", "rslave",
+    "unbindable", "runbindable", "noswap", "inode32", "inode64",
+})
+_TMPFS_VALUES = frozenset({"size", "nr_blocks", "nr_inodes", "mode", "uid", "gid", "huge",
+                           "mpol"})
 FORBIDDEN_DESTINATIONS = ("/proc", "/sys")
+# Runtime sockets and their directories: no mount from them, nor onto them.
 RUNTIME_SOCKETS = (
     "/run/containerd", "/var/run/containerd", "/run/crio", "/var/run/crio",
     "/run/docker.sock", "/var/run/docker.sock", "/run/docker", "/var/run/docker",
     "/run/nri", "/var/run/nri", "/run/podman", "/var/run/podman",
     "/run/cri-dockerd.sock", "/var/run/cri-dockerd.sock", "/var/run/dockershim.sock",
 )
+# THE host paths no mount may come from, nor contain (a bind of /var/lib would show
+# /var/lib/kubelet), with why; /var/run is listed beside /run because the check is on the
+# path as written (a symlink in a CDI spec's hostPath is resolved at load time and the
+# result checked again). Default locations: a kubelet --root-dir or a runtime root moved
+# elsewhere is not known here.
+_KUBELET = ("kubelet state (device-plugin and pod-resources sockets, pod secrets and tokens, "
+            "its client certificate)")
+_CONTAINERD = "containerd state (its socket, shims, every image and container filesystem)"
+_STORAGE = ("containers/storage of CRI-O and Podman (every image and container filesystem, "
+            "registry credentials)")
+_CRIO = "CRI-O state (its socket, conmon sockets, exit files)"
+_DOCKER = "Docker state (its socket, every image and container filesystem)"
+FORBIDDEN_SOURCES: Mapping[str, str] = MappingProxyType({
+    "/proc": "procfs (every host process, /proc/1/root is the host's /)",
+    "/sys": "sysfs (host device, firmware and kernel interfaces)",
+    "/var/lib/kubelet": _KUBELET,
+    "/etc/kubernetes": "the node's Kubernetes credentials (kubelet.conf, pki)",
+    "/var/lib/containerd": _CONTAINERD,
+    "/run/containerd": _CONTAINERD,
+    "/var/run/containerd": _CONTAINERD,
+    "/var/lib/containers": _STORAGE,
+    "/run/containers": _STORAGE,
+    "/var/run/containers": _STORAGE,
+    "/var/lib/crio": _CRIO,
+    "/run/crio": _CRIO,
+    "/var/run/crio": _CRIO,
+    "/var/lib/docker": _DOCKER,
+    "/run/docker": _DOCKER,
+    "/var/run/docker": _DOCKER,
+    "/run/docker.sock": _DOCKER,
+    "/var/run/docker.sock": _DOCKER,
+    "/run/cri-dockerd.sock": "the cri-dockerd socket",
+    "/var/run/cri-dockerd.sock": "the cri-dockerd socket",
+    "/var/run/dockershim.sock": "the dockershim socket",
+    "/run/podman": "the Podman API socket",
+    "/var/run/podman": "the Podman API socket",
+    "/run/libpod": "Podman state",
+    "/var/run/libpod": "Podman state",
+    "/run/runc": "runc state (every container's state.json)",
+    "/var/run/runc": "runc state (every container's state.json)",
+    "/run/crun": "crun state",
+    "/var/run/crun": "crun state",
+    "/run/nri": "the NRI socket (a process on it is trusted by the runtime)",
+    "/var/run/nri": "the NRI socket (a process on it is trusted by the runtime)",
+    "/run/k3s": "k3s state (its containerd socket)",
+    "/var/lib/rancher": "k3s and RKE2 state (containerd root, join token, TLS keys)",
+    "/run/nri-accel": "nri-accel's own state (the grants checkpoint)",
+})
+# The cgroup access a device in an NRI adjustment gets: the runtime derives it
+# (containerd/nri pkg/api LinuxDevice.AccessString: "rw", and "m" for block devices) and
+# NRI's LinuxDevice has no field to narrow it; runc adds "m" for every device whatever
+# the spec says (libcontainer/specconv AllowedDevices). So a node whose permissions lack
+# r or w cannot be honoured and is refused; "m" can be withheld by no one.
+RUNTIME_ACCESS = frozenset("rw")
+NO_ACCESS = "none"  # CDI's keyword for a node with an empty cgroup rule (pkg/cdi)
 FORBIDDEN_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT"})
 MEMO_SIZE = 4096  # grants remembered per inventory before the memo starts over
 LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
@@ -136,18 +222,23 @@ def check_edits(edits: ContainerEdits, *, hooks_enabled: bool = False) -> Contai
     """`edits` normalised (mount options forced), or UnsafeEdit saying what is wrong.
     Hooks are dropped unless `hooks_enabled`."""
     for kv in edits.env:
-        key, sep, _ = kv.partition("=")
-        if not sep or not key or "\0" in kv:
-            raise UnsafeEdit(f"env entry {kv[:64]!r} is not KEY=VALUE")
-        if key in FORBIDDEN_ENV:
-            raise UnsafeEdit(f"env {key} may not be set by nri-accel")
+        check_env(kv)
     for n in edits.device_nodes:
-        _check_node(n)
-    mounts = tuple(_check_mount(m) for m in edits.mounts)
+        check_node(n)
+    mounts = tuple(check_mount(m) for m in edits.mounts)
     hooks: tuple[Hook, ...] = ()
     if hooks_enabled:
         hooks = tuple(_check_hook(h) for h in edits.hooks)
     return replace(edits, mounts=mounts, hooks=hooks)
+
+
+def check_env(kv: str) -> None:
+    """One "KEY=VALUE" entry nri-accel may set, or UnsafeEdit."""
+    key, sep, _ = kv.partition("=")
+    if not sep or not key or "\0" in kv:
+        raise UnsafeEdit(f"env entry {kv[:64]!r} is not KEY=VALUE")
+    if key in FORBIDDEN_ENV:
+        raise UnsafeEdit(f"env {key} may not be set by nri-accel")
 
 
 def _check_path(path: str, what: str) -> None:
@@ -165,39 +256,113 @@ def _under(path: str, roots: Iterable[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-def _check_node(n: DeviceNode) -> None:
-    for p, what in ((n.path, "device node"), (n.source, "device node host path")):
-        _check_path(p, what)
-        if not p.startswith("/dev/"):
-            raise UnsafeEdit(f"{what} {p!r} is not under /dev")
+def check_node_path(path: str, what: str = "device node") -> None:
+    """A device node's path (in the container or on the host): absolute, normalised, under
+    /dev; else UnsafeEdit."""
+    _check_path(path, what)
+    if not path.startswith("/dev/"):
+        raise UnsafeEdit(f"{what} {path!r} is not under /dev")
+
+
+def check_access(path: str, permissions: str) -> None:
+    """A device node's cgroup access (CDI `permissions`, canonical "rwm" subset or
+    "none") that nri-accel can honour through NRI, else UnsafeEdit (RUNTIME_ACCESS)."""
+    if permissions != NO_ACCESS and (not permissions or set(permissions) - set("rwm")):
+        raise UnsafeEdit(f"device node {path!r} has cgroup access {permissions!r} (not a "
+                         "combination of r, w, m)")
+    if not RUNTIME_ACCESS.issubset("" if permissions == NO_ACCESS else permissions):
+        raise UnsafeEdit(f"device node {path!r} has cgroup access {permissions!r}; through "
+                         "NRI the runtime allows read and write ('rw') whatever is asked, "
+                         "which is wider: refused")
+
+
+def check_node(n: DeviceNode) -> None:
+    """A device node nri-accel may emit, else UnsafeEdit."""
+    check_node_path(n.path)
+    check_node_path(n.source, "device node host path")
     if n.type not in ("c", "b"):
         raise UnsafeEdit(f"device node {n.path!r} has type {n.type!r} (not c or b)")
     if n.major < 0 or n.minor < 0:
         raise UnsafeEdit(f"device node {n.path!r} has a wildcard major/minor")
-    if not n.permissions or set(n.permissions) - set("rwm"):
-        raise UnsafeEdit(f"device node {n.path!r} has cgroup access {n.permissions!r}")
+    check_access(n.path, n.permissions)
 
 
-def _check_mount(m: Mount) -> Mount:
-    if m.type not in ("bind", ""):
-        raise UnsafeEdit(f"mount {m.container_path!r} has type {m.type!r}: only bind mounts")
-    _check_path(m.host_path, "mount source")
+def is_bind_mount(mount_type: str, options: Iterable[str]) -> bool:
+    """Whether the runtime bind-mounts the source: option bind or rbind, whatever the type
+    (runc: MS_BIND makes the type meaningless), or a type that only names a bind (CDI
+    SPEC.md: "the type is a dummy, often none"; nri-accel adds "bind" to those)."""
+    return mount_type in BIND_TYPES or not _BIND_OPTIONS.isdisjoint(options)
+
+
+def check_mount(m: Mount) -> Mount:
+    """The mount as nri-accel emits it (options forced), else UnsafeEdit.
+
+    Two kinds pass. A bind mount (is_bind_mount): source and destination absolute and
+    normalised, the source neither under nor holding a FORBIDDEN_SOURCES path, options
+    without rw, suid, dev or shared propagation and with ro, nosuid, nodev and bind; type
+    "bind". A tmpfs: its source is a name ("tmpfs"), not a host path; options from the
+    tmpfs allow-list, always with nosuid and nodev (it may stay writable: it is the
+    container's own memory, charged to its cgroup). Every other type is refused: it would
+    mount a host block device, a kernel interface (proc, sysfs, cgroup, debugfs, bpf, ...),
+    an overlay of host paths named in its options, or unaccounted memory (ramfs). For both,
+    the destination is absolute, normalised, not / and not under /proc, /sys or a runtime
+    socket's directory.
+    """
+    bind = is_bind_mount(m.type, m.options)
+    if bind and m.type not in BIND_TYPES:
+        raise UnsafeEdit(f"mount {m.container_path!r} has type {m.type!r} and option "
+                         f"{'bind' if 'bind' in m.options else 'rbind'!r}: the runtime would "
+                         "bind-mount its source (a bind mount's type is bind, none "
+                         "or empty)")
+    if not bind and m.type != TMPFS:
+        raise UnsafeEdit(f"mount {m.container_path!r} has type {m.type!r}: only bind mounts "
+                         "and tmpfs are emitted")
     _check_path(m.container_path, "mount destination")
     if m.container_path == "/" or _under(m.container_path, FORBIDDEN_DESTINATIONS):
         raise UnsafeEdit(f"mount destination {m.container_path!r} is /, or under /proc "
                          "or /sys")
-    if _under(m.host_path, ("/proc",)):
-        raise UnsafeEdit(f"mount source {m.host_path!r} is under /proc")
-    for p in (m.host_path, m.container_path):
-        if _under(p, RUNTIME_SOCKETS):
-            raise UnsafeEdit(f"mount {p!r} is a container runtime socket or its directory")
-    if any(_under(s, (m.host_path,)) for s in RUNTIME_SOCKETS):
-        raise UnsafeEdit(f"mount source {m.host_path!r} holds a container runtime socket")
-    opts = [o for o in m.options if o not in _DROPPED_MOUNT_OPTIONS]
-    opts += [o for o in REQUIRED_MOUNT_OPTIONS if o not in opts]
-    if "bind" not in opts and "rbind" not in opts:
-        opts.append("bind")
-    return Mount(m.host_path, m.container_path, "bind", tuple(opts))
+    if _under(m.container_path, RUNTIME_SOCKETS):
+        raise UnsafeEdit(f"mount destination {m.container_path!r} is a container runtime "
+                         "socket or its directory")
+    if bind:
+        check_mount_source(m.host_path)
+        opts = [o for o in m.options if o not in _DROPPED_MOUNT_OPTIONS]
+        opts += [o for o in REQUIRED_MOUNT_OPTIONS if o not in opts]
+        if _BIND_OPTIONS.isdisjoint(opts):
+            opts.append("bind")
+        return Mount(m.host_path, m.container_path, "bind", tuple(opts))
+    if not m.host_path or m.host_path.startswith("/") or "\0" in m.host_path:
+        raise UnsafeEdit(f"tmpfs {m.container_path!r} has source {m.host_path[:128]!r}: a "
+                         "tmpfs source is a name such as 'tmpfs', not a host path")
+    opts = []
+    for o in m.options:
+        if o in _DROPPED_TMPFS_OPTIONS:
+            continue
+        if not _tmpfs_option(o):
+            raise UnsafeEdit(f"tmpfs {m.container_path!r} has option {o[:64]!r}, which "
+                             "nri-accel does not pass")
+        opts.append(o)
+    opts += [o for o in TMPFS_REQUIRED_OPTIONS if o not in opts]
+    return Mount(m.host_path, m.container_path, TMPFS, tuple(opts))
+
+
+def _tmpfs_option(option: str) -> bool:
+    if option in _TMPFS_FLAGS:
+        return True
+    key, sep, value = option.partition("=")
+    return bool(sep and value) and key in _TMPFS_VALUES and "," not in value \
+        and "\0" not in value
+
+
+def check_mount_source(path: str) -> None:
+    """A bind mount's host path: absolute, normalised, neither under nor holding a
+    FORBIDDEN_SOURCES path; else UnsafeEdit naming the path and why."""
+    _check_path(path, "mount source")
+    for root, why in FORBIDDEN_SOURCES.items():
+        if _under(path, (root,)):
+            raise UnsafeEdit(f"mount source {path!r} is under {root}: {why}")
+        if _under(root, (path,)):
+            raise UnsafeEdit(f"mount source {path!r} holds {root}: {why}")
 
 
 def _check_hook(h: Hook) -> Hook:

@@ -87,7 +87,9 @@ class DeviceNode:
     file_mode: int | None = None
     uid: int | None = None
     gid: int | None = None
-    permissions: str = "rwm"  # cgroup access, never wider than "rwm"
+    # cgroup access as CDI writes it: a subset of "rwm" or "none"; through NRI the runtime
+    # allows "rw" whatever it says, so nri_accel.edits refuses one without r and w
+    permissions: str = "rwm"
 
     @property
     def source(self) -> str:
@@ -96,7 +98,8 @@ class DeviceNode:
 
 @dataclass(frozen=True, slots=True)
 class Mount:
-    """A mount to add to the container (CDI mounts entry). Host paths only."""
+    """A mount to add to the container (CDI mounts entry): a bind mount of a host path,
+    or a tmpfs whose host_path is its source's name ("tmpfs"), never a path."""
 
     host_path: str
     container_path: str

@@ -53,3 +53,17 @@ def test_symlink_loop_is_an_error(tmp_path) -> None:
     os.symlink("/a", tmp_path / "b")
     with pytest.raises(OSError, match="symbolic links"):
         HostRoot.at(tmp_path).local("/a/file")
+
+
+def test_resolve_follows_every_link_inside_the_root_and_keeps_missing_parts(tmp_path) -> None:
+    # What a bind mount's source names once the runtime has followed its links.
+    (tmp_path / "var" / "lib" / "kubelet").mkdir(parents=True)
+    (tmp_path / "opt").mkdir()
+    os.symlink("/var/lib/kubelet", tmp_path / "opt" / "k")  # absolute: a host path
+    os.symlink("../var/lib", tmp_path / "opt" / "lib")  # relative: from /opt
+    r = HostRoot.at(tmp_path)
+    assert r.resolve("/opt/k/device-plugins") == "/var/lib/kubelet/device-plugins"
+    assert r.resolve("/opt/lib") == "/var/lib"
+    assert r.resolve("/usr/lib/missing.so") == "/usr/lib/missing.so"
+    with pytest.raises(ValueError, match="absolute"):
+        r.resolve("opt/k")

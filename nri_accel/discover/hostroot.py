@@ -3,7 +3,8 @@
 Owns: mapping host-absolute paths ("/dev/nvidiactl", "/sys/bus/pci/...",
 "/usr/lib/x86_64-linux-gnu/libcuda.so.1") to where they can be read from this
 process, and chroot-style path resolution that never leaves a root (walk_in_root, also
-used by ldcache). Imports only the standard library.
+used by ldcache; HostRoot.resolve, where a CDI bind mount's source leads). Imports only
+the standard library.
 
 A daemon on the node uses HostRoot("/"); a DaemonSet that mounts the host at /host
 uses HostRoot("/host"); tests point it at a temporary tree. Paths that nri-accel
@@ -102,6 +103,14 @@ class HostRoot:
             return str(p)
         resolved = walk_in_root(self.root, str(p), follow_last=False, must_exist=False)
         return os.path.join(self.root, resolved.lstrip("/"))
+
+    def resolve(self, host_path: str) -> str:
+        """The host path `host_path` names once every symlink in it is followed (inside
+        the root, as the host sees it; missing components kept as written). Raises
+        OSError (ELOOP) for a symlink loop, ValueError for a relative path."""
+        if not host_path.startswith("/"):
+            raise ValueError(f"host path must be absolute: {host_path!r}")
+        return walk_in_root(self.root or "/", host_path, must_exist=False)
 
     def dev_path(self, name: str) -> str:
         """Host path of a node under the device directory, e.g. dev_path('nvidiactl')."""

@@ -8,15 +8,23 @@ What the runtime does with an adjustment (containerd/nri pkg/adaptation and
 pkg/runtime-tools/generate, used by containerd and CRI-O alike), and so what this
 module does and does not emit:
 - A device in linux.devices gets its cgroup allow rule from the runtime itself
-  (type, major, minor, access "rw", plus "m" for block devices), so no explicit
-  LinuxDeviceCgroup rule is added here and no wildcard rule can ever appear.
-  DeviceNode.permissions cannot narrow that rule through NRI.
+  (pkg/api LinuxDevice.AccessString: type, major, minor, access "rw", plus "m" for
+  block devices), so no explicit LinuxDeviceCgroup rule is added here and no wildcard
+  rule can ever appear. LinuxDevice has no permissions field and the runtime does not
+  collect linux.resources.devices from a plugin, so DeviceNode.permissions cannot narrow
+  that rule: nri_accel.edits refuses a node whose permissions lack r or w (CDI "r",
+  "none", ...) before it gets here.
 - LinuxDevice carries the container path and the major/minor numbers; the node is
   created from those, so DeviceNode.host_path has no counterpart on the wire.
 - The runtime refuses an adjustment in which two plugins, or one plugin twice, set
   the same device path, mount destination, environment variable, annotation or CDI
   device: every such key appears here once (first occurrence wins, as in
   merge_edits).
+- A Mount is passed as it is: type, source, destination, options. A bind mount has
+  type "bind" and its host path as source; a tmpfs has type "tmpfs" and a name as
+  source ("tmpfs"), the kernel ignores it and so does the runtime (nri_accel.edits
+  never lets bind, rbind or shared propagation into a tmpfs's options, the options
+  that would make the runtime read the source as a host path).
 - NRI has no adjustment for additional GIDs: ContainerEdits.additional_gids is not
   representable and is left out.
 Order is deterministic: devices by path in natural order (nvidia2 before nvidia10),

@@ -136,13 +136,34 @@ BAD_SPECS = [
     (_spec(devices=[{"name": "a", "containerEdits": {"deviceNodes": [
         {"path": "/dev/npu0", "permissions": "rwx"}]}}]), "permissions: 'rwx' must be made"),
     (_spec(devices=[{"name": "a", "containerEdits": {"deviceNodes": [
+        {"path": "/dev/npu0", "permissions": "None"}]}}]), "permissions: 'None' must be made"),
+    (_spec(devices=[{"name": "a", "containerEdits": {"deviceNodes": [
         {"path": "/dev/npu0", "major": -1}]}}]), "major: must be an integer >= 0"),
     (_spec(devices=[{"name": "a", "containerEdits": {"deviceNodes": [
         {"path": "/dev/npu0", "type": "p"}]}}]), "FIFO device nodes are not supported"),
+    # Spec-level edits nri_accel.edits refuses make the whole file unusable.
     (_spec(containerEdits={"mounts": [{"hostPath": "/lib", "containerPath": "/proc/x"}]}),
-     "containerEdits.mounts[0].containerPath: '/proc/x': mounts onto /proc or /sys"),
+     "containerEdits.mounts[0]: mount destination '/proc/x' is /, or under /proc or /sys"),
     (_spec(containerEdits={"mounts": [{"hostPath": "/lib", "containerPath": "/sys"}]}),
-     "mounts onto /proc or /sys are refused"),
+     "mount destination '/sys' is /, or under /proc or /sys"),
+    (_spec(containerEdits={"mounts": [{"hostPath": "/var/lib/kubelet/device-plugins",
+                                       "containerPath": "/var/lib/kubelet/device-plugins"}]}),
+     "containerEdits.mounts[0]: mount source '/var/lib/kubelet/device-plugins' is under "
+     "/var/lib/kubelet: kubelet state"),
+    (_spec(containerEdits={"mounts": [{"hostPath": "/sys/class/drm", "containerPath": "/drm"}]}),
+     "mount source '/sys/class/drm' is under /sys: sysfs"),
+    (_spec(containerEdits={"env": ["LD_PRELOAD=/opt/acme/hook.so"]}),
+     "containerEdits.env[0]: env LD_PRELOAD may not be set by nri-accel"),
+    (_spec(containerEdits={"mounts": [{"hostPath": "tmpfs", "containerPath": "/scratch",
+                                       "type": "tmpfs"}]}, cdiVersion="0.3.0"),
+     "cdiVersion: 0.3.0 is too old for what the spec uses (needs at least 0.4.0)"),
+    (_spec(containerEdits={"mounts": [{"containerPath": "/scratch", "type": "tmpfs"}]}),
+     "containerEdits.mounts[0].hostPath: required"),
+    (_spec(containerEdits={"mounts": [{"hostPath": "", "containerPath": "/scratch",
+                                       "type": "tmpfs"}]}),
+     "containerEdits.mounts[0].hostPath: required (the source"),
+    (_spec(containerEdits={"deviceNodes": [{"path": "/dev/npu-ctl", "permissions": "rx"}]}),
+     "containerEdits.deviceNodes[0].permissions: 'rx' must be made of r, w, m"),
     (_spec(containerEdits={"mounts": [{"hostPath": "lib", "containerPath": "/lib"}]}),
      "mounts[0].hostPath: 'lib' must be an absolute path"),
     (_spec(containerEdits={"hooks": [{"hookName": "preStart", "path": "/bin/true"}]}),
@@ -281,6 +302,93 @@ def test_mount_options_are_kept_or_default_to_read_only(tmp_path: Path) -> None:
         Mount("/run/acme.sock", "/run/acme.sock", "none", ("rbind", "rw")))
 
 
+def test_tmpfs_mounts_are_read_with_a_source_name_and_options(tmp_path: Path) -> None:
+    tree = _tree(tmp_path)
+    _write(tree, "/etc/cdi/npu.yaml", _spec(cdiVersion="0.4.0", kind="acme/npu", devices=[
+        {"name": "npu0", "containerEdits": {
+            "deviceNodes": [{"path": "/dev/npu0"}],
+            "mounts": [
+                {"hostPath": "tmpfs", "containerPath": "/var/cache/acme", "type": "tmpfs",
+                 "options": ["size=64m", "mode=1777", "rw"]},
+                {"hostPath": "none", "containerPath": "/scratch", "type": "tmpfs"}]}}]))
+    found = discover_cdi(tree.root, DIRS)
+    assert found.problems == ()
+    (device,) = found.devices
+    # Kept as written (the catalog forces nosuid, nodev); no options: nosuid, nodev.
+    assert device.edits.mounts == (
+        Mount("tmpfs", "/var/cache/acme", "tmpfs", ("size=64m", "mode=1777", "rw")),
+        Mount("none", "/scratch", "tmpfs", ("nosuid", "nodev")))
+
+
+def _problems(found: Any) -> list[str]:
+    return [p.message for p in found.problems]
+
+
+def test_a_device_whose_permissions_nri_cannot_honour_is_left_out(tmp_path: Path) -> None:
+    tree = _tree(tmp_path)
+    tree.chardev("/dev/npu2", 240, 2)
+    tree.chardev("/dev/npu3", 240, 3)
+    _write(tree, "/etc/cdi/npu.yaml", _spec(devices=[
+        {"name": "npu0", "containerEdits": {"deviceNodes": [
+            {"path": "/dev/npu0", "permissions": "r"}]}},
+        {"name": "npu1", "containerEdits": {"deviceNodes": [
+            {"path": "/dev/npu1", "permissions": "none"}]}},
+        {"name": "npu2", "containerEdits": {"deviceNodes": [
+            {"path": "/dev/npu2", "permissions": "wrr"}]}},  # pkg/cdi accepts repeats
+        {"name": "npu3", "containerEdits": {"deviceNodes": [
+            {"path": "/dev/npu3", "permissions": "mwr"}]}},
+    ]))
+    found = discover_cdi(tree.root, DIRS)
+    assert [(d.name, d.edits.device_nodes[0].permissions) for d in found.devices] == [
+        ("npu2", "rw"), ("npu3", "rwm")]
+    assert _problems(found) == [
+        "device acme.example/npu=npu0 left out: devices[0].containerEdits.deviceNodes[0]"
+        ".permissions: device node '/dev/npu0' has cgroup access 'r'; through NRI the "
+        "runtime allows read and write ('rw') whatever is asked, which is wider: refused",
+        "device acme.example/npu=npu1 left out: devices[1].containerEdits.deviceNodes[0]"
+        ".permissions: device node '/dev/npu1' has cgroup access 'none'; through NRI the "
+        "runtime allows read and write ('rw') whatever is asked, which is wider: refused",
+    ]
+
+
+def test_a_device_mounting_host_state_is_left_out(tmp_path: Path) -> None:
+    tree = _tree(tmp_path)
+    tree.path("/var/lib/kubelet/device-plugins").mkdir(parents=True)
+    tree.symlink("/opt/acme/plugins", "/var/lib/kubelet/device-plugins")
+    _write(tree, "/etc/cdi/npu.yaml", _spec(devices=[
+        {"name": "npu0", "containerEdits": {"mounts": [
+            {"hostPath": "/var/lib/kubelet/device-plugins",
+             "containerPath": "/var/lib/kubelet/device-plugins"}]}},
+        {"name": "npu1", "containerEdits": {"mounts": [
+            {"hostPath": "/opt/acme/plugins", "containerPath": "/plugins"}]}},
+        {"name": "npu2", "containerEdits": {"mounts": [
+            {"hostPath": "proc", "containerPath": "/host-proc", "type": "proc"}]}},
+        {"name": "npu3", "containerEdits": {"mounts": [
+            {"hostPath": "tmpfs", "containerPath": "/x", "type": "tmpfs",
+             "options": ["remount"]}]}},
+        {"name": "npu4", "containerEdits": {"deviceNodes": [{"path": "/dev/npu0"}],
+                                            "mounts": [{"hostPath": "/opt/acme/lib",
+                                                        "containerPath": "/opt/acme/lib"}]}},
+    ]))
+    found = discover_cdi(tree.root, DIRS)
+    assert [d.name for d in found.devices] == ["npu4"]
+    assert _problems(found) == [
+        "device acme.example/npu=npu0 left out: devices[0].containerEdits.mounts[0]: mount "
+        "source '/var/lib/kubelet/device-plugins' is under /var/lib/kubelet: kubelet state "
+        "(device-plugin and pod-resources sockets, pod secrets and tokens, its client "
+        "certificate)",
+        "device acme.example/npu=npu1 left out: devices[1].containerEdits.mounts[0].hostPath: "
+        "mount source '/opt/acme/plugins' leads to '/var/lib/kubelet/device-plugins': mount "
+        "source '/var/lib/kubelet/device-plugins' is under /var/lib/kubelet: kubelet state "
+        "(device-plugin and pod-resources sockets, pod secrets and tokens, its client "
+        "certificate)",
+        "device acme.example/npu=npu2 left out: devices[2].containerEdits.mounts[0]: mount "
+        "'/host-proc' has type 'proc': only bind mounts and tmpfs are emitted",
+        "device acme.example/npu=npu3 left out: devices[3].containerEdits.mounts[0]: tmpfs "
+        "'/x' has option 'remount', which nri-accel does not pass",
+    ]
+
+
 def test_composite_all_device_is_not_listed(tmp_path: Path) -> None:
     tree = _tree(tmp_path)
     _write(tree, "/etc/cdi/npu.yaml", _spec(devices=[
@@ -320,6 +428,15 @@ def test_missing_spec_dirs_are_fine(tmp_path: Path) -> None:
     ({"kind": "a/b", "devices": [{"name": "x", "annotations": {"k": "v"}}]}, "0.6.0"),
     ({"kind": "a/b", "devices": [{"name": "0", "containerEdits": {
         "additionalGids": [5]}}]}, "0.7.0"),
+    # a tmpfs is a mount with a type: 0.4.0 (CDI SPEC.md: "Added `type` field to Mount")
+    ({"kind": "a/b", "devices": [{"name": "x", "containerEdits": {"mounts": [
+        {"hostPath": "tmpfs", "containerPath": "/scratch", "type": "tmpfs"}]}}]}, "0.4.0"),
+    # permissions are in the first schema (0.3.0), "none" included: pkg/cdi's keyword
+    # needs no version (specs-go/version.go checks no permissions)
+    ({"kind": "a/b", "devices": [{"name": "x", "containerEdits": {"deviceNodes": [
+        {"path": "/dev/x", "permissions": "r"}]}}]}, "0.3.0"),
+    ({"kind": "a/b", "devices": [{"name": "x", "containerEdits": {"deviceNodes": [
+        {"path": "/dev/x", "permissions": "none"}]}}]}, "0.3.0"),
 ])
 def test_min_version(spec: dict[str, Any], version: str) -> None:
     assert min_version(spec) == version

@@ -58,6 +58,28 @@ def test_entry_with_a_symlinked_missing_or_plain_node_is_left_out_whole(tmp_path
     ]
 
 
+def test_entry_the_safety_rules_refuse_is_left_out_before_anything_is_read(
+        tmp_path: Path) -> None:
+    tree = _tree(tmp_path)
+    # A real character device under /sys: only the rule (nodes live under /dev) stops it.
+    tree.chardev("/sys/devices/virtual/acme/npu0", 240, 0)
+    config = parse_config({"static": {"devices": [
+        {"kind": "acme.example/npu", "name": "sys", "device_nodes": [
+            "/dev/npu0", "/sys/devices/virtual/acme/npu0"]},
+        {"kind": "acme.example/npu", "name": "preload", "device_nodes": ["/dev/npu0"],
+         "env": ["LD_PRELOAD=/opt/acme/shim.so"]},
+        {"kind": "acme.example/npu", "name": "ok", "device_nodes": ["/dev/npu0"]},
+    ]}})
+    found = discover_static(tree.root, config.static_devices)
+    assert [d.name for d in found.devices] == ["ok"]
+    assert [(p.source, p.message) for p in found.problems] == [
+        ("static device acme.example/npu=sys",
+         "left out: device node '/sys/devices/virtual/acme/npu0' is not under /dev"),
+        ("static device acme.example/npu=preload",
+         "left out: env LD_PRELOAD may not be set by nri-accel"),
+    ]
+
+
 def test_a_name_declared_twice_keeps_the_first(tmp_path: Path) -> None:
     entries = [StaticDevice("acme.example/npu", "npu0", ("/dev/npu0",), ("N=first",)),
                StaticDevice("acme.example/npu", "npu0", ("/dev/npu-ctl",), ("N=second",))]

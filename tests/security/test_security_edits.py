@@ -1,6 +1,8 @@
 """What the daemon emits: every path comes from the inventory, never from the request;
-mounts are read-only nosuid nodev binds away from /proc, /sys and runtime sockets; device
-nodes carry real numbers and no cgroup rule is written; no hook unless enabled."""
+mounts are read-only nosuid nodev binds from no host state (/proc, /sys, kubelet, the
+runtimes' directories) or nosuid nodev tmpfs, never onto /proc, /sys or runtime sockets;
+device nodes carry real numbers, live under /dev, and no cgroup rule is written, so a node
+asking for less than the runtime's "rw" is refused; no hook unless enabled."""
 
 from __future__ import annotations
 
@@ -9,7 +11,12 @@ from dataclasses import replace
 import pytest
 from security_testing import DEVICE_PLUGIN_KEY, TRUSTED_NS, container, demo_inventory, engine
 
-from nri_accel.edits import UnsafeEdit, check_edits
+from nri_accel.edits import (
+    FORBIDDEN_SOURCES,
+    RUNTIME_SOCKETS,
+    UnsafeEdit,
+    check_edits,
+)
 from nri_accel.errors import AllocationError, RequestError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Hook, Inventory, Mount
 from nri_accel.nri.adjust import build_adjustment
@@ -83,11 +90,47 @@ UNSAFE_MOUNTS = [
     Mount("/usr/lib/x", "/proc"),
     Mount("/usr/lib/../../etc/shadow", "/x"),
     Mount("/run/crio/crio.sock", "/x"),
+    # a tmpfs with the default options (bind among them): runc would bind its source
     Mount("/usr/lib/x", "/usr/lib/x", type="tmpfs"),
+    # host state (issue #9): kubelet, sysfs as a source, the runtimes' state directories
+    Mount("/var/lib/kubelet/device-plugins", "/var/lib/kubelet/device-plugins"),
+    Mount("/var/lib/kubelet/pod-resources/kubelet.sock", "/pod-resources.sock"),
+    Mount("/var/lib/kubelet/pods", "/pods"),
+    Mount("/var/lib", "/host-var-lib"),  # holds /var/lib/kubelet
+    Mount("/etc", "/host-etc"),  # holds /etc/kubernetes
+    Mount("/sys/class/drm", "/drm"),
+    Mount("/sys", "/host-sys"),
+    Mount("/var/lib/containerd/io.containerd.content.v1.content", "/content"),
+    Mount("/var/lib/containers/storage", "/storage"),
+    Mount("/run/containers/0/auth.json", "/auth.json"),
+    Mount("/var/lib/docker", "/docker"),
+    Mount("/var/lib/crio", "/crio"),
+    Mount("/run/runc", "/runc"),
+    Mount("/var/lib/rancher/k3s/server/token", "/token"),
+    Mount("/run/nri-accel/grants.json", "/grants.json"),
+    # other filesystem types
+    Mount("proc", "/host-proc", type="proc", options=("nosuid",)),
+    Mount("sysfs", "/sysfs", type="sysfs", options=("ro",)),
+    Mount("/dev/sda1", "/disk", type="ext4", options=("ro",)),
+    Mount("overlay", "/o", type="overlay", options=("lowerdir=/var/lib/kubelet",)),
+    Mount("ramfs", "/r", type="ramfs", options=("nosuid",)),
+    Mount("cgroup2", "/c", type="cgroup2", options=("nosuid",)),
+    # tmpfs: a host path as its source, forbidden destinations, options it may not carry
+    Mount("/var/lib/kubelet", "/scratch", type="tmpfs", options=("size=1m",)),
+    Mount("tmpfs", "/proc/driver/nvidia", type="tmpfs", options=("size=1m",)),
+    Mount("tmpfs", "/sys/fs/cgroup", type="tmpfs", options=("size=1m",)),
+    Mount("tmpfs", "/run/containerd", type="tmpfs", options=("size=1m",)),
+    Mount("tmpfs", "/", type="tmpfs", options=("size=1m",)),
+    Mount("tmpfs", "/x", type="tmpfs", options=("rbind",)),
+    Mount("tmpfs", "/x", type="tmpfs", options=("remount",)),
+    Mount("tmpfs", "/x", type="tmpfs", options=("size=1m,exec",)),
+    Mount("tmpfs", "/x", type="tmpfs", options=("context=system_u:object_r:x",)),
+    Mount("tmpfs", "/x", type="tmpfs", options=("lowerdir=/etc",)),
 ]
 
 
-@pytest.mark.parametrize("mount", UNSAFE_MOUNTS, ids=lambda m: f"{m.host_path}->{m.container_path}")
+@pytest.mark.parametrize("mount", UNSAFE_MOUNTS,
+                         ids=lambda m: f"{m.type}:{m.host_path}->{m.container_path}")
 def test_unsafe_inventory_mounts_are_refused(mount: Mount) -> None:
     with pytest.raises(UnsafeEdit):
         check_edits(ContainerEdits(mounts=(mount,)))
@@ -101,6 +144,69 @@ def test_mount_options_are_forced_read_only() -> None:
     out = check_edits(ContainerEdits(mounts=(
         Mount("/usr/lib/x", "/usr/lib/x", options=("rw", "suid", "dev", "rbind")),)))
     assert out.mounts[0].options == ("rbind", "ro", "nosuid", "nodev")
+
+
+@pytest.mark.parametrize("root", sorted(FORBIDDEN_SOURCES))
+def test_every_forbidden_source_its_children_and_its_ancestors_are_refused(root: str) -> None:
+    parent = root.rsplit("/", 1)[0] or "/"
+    for source in (root, root + "/x", parent):
+        with pytest.raises(UnsafeEdit, match="mount source"):
+            check_edits(ContainerEdits(mounts=(Mount(source, "/x"),)))
+
+
+def test_the_source_denylist_covers_every_runtime_socket() -> None:
+    assert set(RUNTIME_SOCKETS) <= set(FORBIDDEN_SOURCES)
+
+
+def test_bind_mounts_lose_shared_propagation() -> None:
+    out = check_edits(ContainerEdits(mounts=(
+        Mount("/usr/lib/x", "/usr/lib/x", options=("rbind", "rshared")),
+        Mount("/usr/lib/y", "/usr/lib/y", type="none", options=("shared", "rslave")),)))
+    assert [m.options for m in out.mounts] == [("rbind", "ro", "nosuid", "nodev"),
+                                               ("rslave", "ro", "nosuid", "nodev", "bind")]
+    assert {m.type for m in out.mounts} == {"bind"}
+
+
+def test_a_tmpfs_reaches_nri_as_a_nosuid_nodev_tmpfs() -> None:
+    tmpfs = Mount("tmpfs", "/var/cache/acme", type="tmpfs",
+                  options=("size=64m", "mode=1777", "rw", "dev", "suid", "rshared", "noexec"))
+    inv = _inventory_with(ContainerEdits(device_nodes=(DeviceNode("/dev/nvidia0", 195, 0),),
+                                         mounts=(tmpfs,)))
+    plan = engine("standalone", inv).plan(container(pod={"devices.nri-accel.io":
+                                                         "nvidia.com/gpu=0"}))
+    adj = build_adjustment(plan.edits, plan.annotations)
+    (m,) = adj.mounts
+    assert (m.type, m.source, m.destination) == ("tmpfs", "tmpfs", "/var/cache/acme")
+    # size, mode and rw kept (the tmpfs is the container's own memory); dev, suid and
+    # shared propagation dropped; nosuid, nodev always there
+    assert list(m.options) == ["size=64m", "mode=1777", "rw", "noexec", "nosuid", "nodev"]
+
+
+@pytest.mark.parametrize("permissions", ["r", "w", "m", "rm", "wm", "none", ""])
+@pytest.mark.parametrize("node_type", ["c", "b"])
+def test_device_nodes_asking_for_less_than_rw_are_refused(node_type: str,
+                                                         permissions: str) -> None:
+    # The runtime gives a device in an NRI adjustment "rw" (+ "m" for block devices)
+    # whatever a node asks: a narrower CDI permission would be silently widened.
+    node = DeviceNode("/dev/nvidia0", 195, 0, type=node_type, permissions=permissions)
+    with pytest.raises(UnsafeEdit, match="cgroup access"):
+        check_edits(ContainerEdits(device_nodes=(node,)))
+
+
+@pytest.mark.parametrize("permissions", ["rw", "rwm"])
+@pytest.mark.parametrize("node_type", ["c", "b"])
+def test_device_nodes_allowing_rw_pass(node_type: str, permissions: str) -> None:
+    node = DeviceNode("/dev/nvidia0", 195, 0, type=node_type, permissions=permissions)
+    assert check_edits(ContainerEdits(device_nodes=(node,))).device_nodes == (node,)
+
+
+def test_a_hand_written_node_under_sys_is_refused_for_the_container() -> None:
+    node = DeviceNode("/sys/devices/virtual/acme/npu0", 240, 0)
+    inv = Inventory(devices=(Device(kind="acme.example/npu", name="npu0",
+                                    edits=ContainerEdits(device_nodes=(node,))),))
+    with pytest.raises(AllocationError, match="'/sys/devices/virtual/acme/npu0' is not under"):
+        engine("standalone", inv).plan(container(pod={"devices.nri-accel.io":
+                                                      "acme.example/npu=npu0"}))
 
 
 @pytest.mark.parametrize("node", [

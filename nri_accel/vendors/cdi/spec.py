@@ -3,9 +3,10 @@
 Owns: discover_cdi(root, spec_dirs) -> Found (reading, validation, priorities),
 generate_specs(inventory) / render_spec(spec) / spec_file_name(kind) (writing), and
 min_version(spec), the CDI version a spec's content needs. Imports the standard
-library, PyYAML, nri_accel.errors, nri_accel.inventory, nri_accel.log,
-nri_accel.discover.{base, hostroot} and, to write specs, nri_accel.vendors. Facts from
-cncf-tags/container-device-interface (SPEC.md, pkg/cdi, pkg/parser, specs-go/version.go).
+library, PyYAML, nri_accel.edits (the safety rules), nri_accel.errors,
+nri_accel.inventory, nri_accel.log, nri_accel.discover.{base, hostroot} and, to write
+specs, nri_accel.vendors. Facts from cncf-tags/container-device-interface (SPEC.md,
+pkg/cdi container-edits.go, pkg/parser, specs-go/config.go and version.go).
 
 Reading follows what containerd and CRI-O do through pkg/cdi:
 
@@ -17,17 +18,29 @@ Reading follows what containerd and CRI-O do through pkg/cdi:
   shadowed silently, as upstream does.
 - Parsing is strict: unknown fields are errors. `cdiVersion` must be a released
   version from 0.3.0 (the first with `containerEdits`) to 1.1.0 and at least the
-  version the content needs (mount `type` 0.4.0; `hostPath` on a device node or a
-  device name starting with a digit 0.5.0; annotations or a dot in the class 0.6.0;
-  `additionalGids` 0.7.0). `intelRdt` and `netDevices` are rejected: nri-accel cannot
-  apply them through NRI, and a device granted without them would be wrong.
-- Validation: kind `vendor/class` and device names with the upstream character rules,
-  non-empty edits per device, `KEY=VALUE` env, known hook names, absolute paths
-  without `..`, no mount onto /proc or /sys. A bad file is one Problem naming the file
-  and the field; it never stops the other files.
-- Mounts keep the options the spec gives (spec files are host configuration, owned by
-  root like the runtime's); a mount with none gets nri-accel's default, read-only
-  `nosuid,nodev` bind.
+  version the content needs (specs-go/version.go: a mount `type`, so any tmpfs, 0.4.0;
+  `hostPath` on a device node or a device name starting with a digit 0.5.0; annotations
+  or a dot in the class 0.6.0; `additionalGids` 0.7.0; device `permissions`, "none"
+  included, are in every version). `intelRdt` and `netDevices` are rejected: nri-accel
+  cannot apply them through NRI, and a device granted without them would be wrong.
+- Well-formed CDI: kind `vendor/class` and device names with the upstream character
+  rules, non-empty edits per device, `KEY=VALUE` env, known hook names, absolute paths
+  without `..` (a bind mount's `hostPath` included), device `permissions` as pkg/cdi
+  reads them ("" is "rwm", "none" an empty rule, else r, w, m in any order and number,
+  kept as the canonical subset of "rwm"). A malformed file is one Problem naming the
+  file and the field; it never stops the other files.
+- Mounts: a bind mount (option bind or rbind, or type bind, none or none given) keeps
+  the options the spec gives (spec files are host configuration, owned by root like the
+  runtime's); one with none gets nri-accel's default, read-only `nosuid,nodev` bind. Any
+  other mount is a filesystem of its `type` whose `hostPath` is its source, a name such
+  as "tmpfs" (SPEC.md), kept with its options (none: `nosuid,nodev`).
+- What may be emitted is not decided here: nri_accel.edits' rules (check_env,
+  check_node_path, check_access, check_mount, check_mount_source: the ones the catalog
+  applies again) are called on every env entry, node and mount, and on the target of a
+  bind source that is a symlink (the runtime follows it). A refusal in a device's edits
+  leaves that device out with a Problem naming the file and field (a node asking for
+  cgroup access "r", a mount of /var/lib/kubelet, a `proc` mount, ...); in the spec's
+  own edits it makes the file unusable, since every device would carry it.
 - Device nodes are host nodes: type, major and minor come from lstat of the host node
   (symlinks refused); numbers written in the spec must agree with it. A missing node
   drops that device (or, for a spec-level node, the whole file) with a Problem.
@@ -59,7 +72,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from types import MappingProxyType
@@ -69,6 +82,17 @@ import yaml
 
 from nri_accel.discover.base import Found, host_device_node
 from nri_accel.discover.hostroot import HostRoot
+from nri_accel.edits import (
+    NO_ACCESS,
+    TMPFS_REQUIRED_OPTIONS,
+    UnsafeEdit,
+    check_access,
+    check_env,
+    check_mount,
+    check_mount_source,
+    check_node_path,
+    is_bind_mount,
+)
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import (
     DEVICE_NAME_RE,
@@ -233,7 +257,7 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
     if not isinstance(raw_devices, list) or not raw_devices:
         raise SpecError("devices: a spec must define at least one device")
 
-    spec_edits = _edits(raw.get("containerEdits"), "containerEdits", device_level=False)
+    spec_edits = _edits(root, raw.get("containerEdits"), "containerEdits", device_level=False)
     parsed: list[tuple[str, _RawEdits, str]] = []
     names: set[str] = set()
     for where, rd in _mappings(raw_devices, "devices", _DEVICE_KEYS):
@@ -243,7 +267,7 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
             raise SpecError(f"{where}.name: device {name!r} is defined twice")
         names.add(name)
         _annotations(rd.get("annotations"), f"{where}.annotations")
-        parsed.append((name, _edits(rd.get("containerEdits"), f"{where}.containerEdits",
+        parsed.append((name, _edits(root, rd.get("containerEdits"), f"{where}.containerEdits",
                                     device_level=True), where))
 
     needed = min_version(raw)
@@ -251,6 +275,9 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
         raise SpecError(f"cdiVersion: {version} is too old for what the spec uses "
                         f"(needs at least {needed})")
 
+    if spec_edits.refused:
+        # Every device of the file would carry it: the file is unusable.
+        raise SpecError(spec_edits.refused)
     try:
         shared = _to_edits(root, spec_edits)
     except DiscoveryError as e:
@@ -267,6 +294,11 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
     for name, edits, where in parsed:
         if name == "all":
             log.debug("cdi_composite_device_skipped", path=host_path, device=f"{kind}={name}")
+            continue
+        if edits.refused:
+            # Safe to read but not to grant (nri_accel.edits' rules): this device only.
+            problems.append(Problem(host_path, f"device {kind}={name} left out: "
+                                               f"{edits.refused}"))
             continue
         try:
             device_edits = _to_edits(root, edits)
@@ -387,9 +419,38 @@ class _RawEdits:
     mounts: tuple[Mount, ...]
     hooks: tuple[Hook, ...]
     gids: tuple[int, ...]
+    refused: str = ""  # the first edit nri_accel.edits refuses, with its JSON path
 
 
-def _edits(v: Any, where: str, *, device_level: bool) -> _RawEdits:
+class _Refusals:
+    """The first refusal of nri_accel.edits' rules among the edits of one containerEdits."""
+
+    def __init__(self) -> None:
+        self.first = ""
+
+    def check(self, loc: str, rule: Callable[..., object], *args: Any) -> None:
+        if self.first:
+            return
+        try:
+            rule(*args)
+        except UnsafeEdit as e:
+            self.first = f"{loc}: {e}"
+
+
+def _permissions(perms: str, loc: str) -> str:
+    """CDI's permissions (pkg/cdi DeviceNode.Validate): "" means "rwm", "none" an empty
+    cgroup rule, else letters of r, w, m in any order and number, kept here as the
+    canonical subset of "rwm"."""
+    if not perms:
+        return "rwm"
+    if perms == NO_ACCESS:
+        return perms
+    if perms.strip("rwm"):
+        raise SpecError(f"{loc}: {perms!r} must be made of r, w, m, or be \"none\"")
+    return "".join(c for c in "rwm" if c in perms)
+
+
+def _edits(root: HostRoot, v: Any, where: str, *, device_level: bool) -> _RawEdits:
     if v is None:
         v = {}
     if not isinstance(v, dict):
@@ -401,6 +462,12 @@ def _edits(v: Any, where: str, *, device_level: bool) -> _RawEdits:
                             "apply it)")
     env = _strings(v.get("env"), f"{where}.env")
     _check_env(env, f"{where}.env")
+    # What the spec says is well-formed CDI; whether nri-accel may emit it is decided by
+    # nri_accel.edits (the rules the catalog applies again), called here so that `discover`
+    # names the file and field.
+    safety = _Refusals()
+    for i, kv in enumerate(env):
+        safety.check(f"{where}.env[{i}]", check_env, kv)
 
     nodes = []
     for loc, rn in _mappings(v.get("deviceNodes"), f"{where}.deviceNodes", _NODE_KEYS):
@@ -412,15 +479,17 @@ def _edits(v: Any, where: str, *, device_level: bool) -> _RawEdits:
             raise SpecError(f"{loc}.type: {typ!r} is not b, c, u or p")
         if typ == "p":
             raise SpecError(f"{loc}.type: FIFO device nodes are not supported")
-        perms = _string(rn, "permissions", loc)
-        if perms and (perms.strip("rwm") or len(set(perms)) != len(perms)):
-            raise SpecError(f"{loc}.permissions: {perms!r} must be made of r, w, m")
+        perms = _permissions(_string(rn, "permissions", loc), f"{loc}.permissions")
+        safety.check(f"{loc}.path", check_node_path, path)
+        if host:
+            safety.check(f"{loc}.hostPath", check_node_path, host, "device node host path")
+        safety.check(f"{loc}.permissions", check_access, path, perms)
         nodes.append(_RawNode(
             path=path, host_path=host, type="c" if typ == "u" else typ,
             major=_uint(rn.get("major"), f"{loc}.major"),
             minor=_uint(rn.get("minor"), f"{loc}.minor"),
             file_mode=_uint(rn.get("fileMode"), f"{loc}.fileMode"),
-            permissions=perms or "rwm",
+            permissions=perms,
             uid=_uint(rn.get("uid"), f"{loc}.uid"),
             gid=_uint(rn.get("gid"), f"{loc}.gid"),
             where=loc,
@@ -428,16 +497,26 @@ def _edits(v: Any, where: str, *, device_level: bool) -> _RawEdits:
 
     mounts = []
     for loc, rm in _mappings(v.get("mounts"), f"{where}.mounts", _MOUNT_KEYS):
-        host = _check_path(rm.get("hostPath"), f"{loc}.hostPath")
+        host = _string(rm, "hostPath", loc, required=True)
         dest = _check_path(rm.get("containerPath"), f"{loc}.containerPath")
-        top = PurePosixPath(dest).parts[1:2]
-        if top in (("proc",), ("sys",)):
-            raise SpecError(f"{loc}.containerPath: {dest!r}: mounts onto /proc or /sys are "
-                            "refused")
+        typ = _string(rm, "type", loc)
         options = _strings(rm.get("options"), f"{loc}.options")
-        # Without options the mount gets nri-accel's default: read-only, nosuid, nodev.
-        mount = Mount(host_path=host, container_path=dest, type=_string(rm, "type", loc) or "bind")
-        mounts.append(dataclasses.replace(mount, options=options) if options else mount)
+        if is_bind_mount(typ, options):
+            # Without options a bind gets nri-accel's default: ro, nosuid, nodev, bind.
+            mount = Mount(host_path=_check_path(host, f"{loc}.hostPath"),
+                          container_path=dest, type=typ or "bind")
+        else:
+            # tmpfs and other filesystems (CDI SPEC.md: `type` is the filesystem type):
+            # hostPath is the mount's source, a name such as "tmpfs", not a path.
+            if not host:
+                raise SpecError(f"{loc}.hostPath: required (the source, e.g. \"tmpfs\")")
+            mount = Mount(host_path=host, container_path=dest, type=typ,
+                          options=TMPFS_REQUIRED_OPTIONS)
+        mount = dataclasses.replace(mount, options=options) if options else mount
+        safety.check(loc, check_mount, mount)
+        if is_bind_mount(mount.type, mount.options):
+            safety.check(f"{loc}.hostPath", _check_resolved_source, root, mount.host_path)
+        mounts.append(mount)
 
     hooks = []
     for loc, rh in _mappings(v.get("hooks"), f"{where}.hooks", _HOOK_KEYS):
@@ -457,10 +536,26 @@ def _edits(v: Any, where: str, *, device_level: bool) -> _RawEdits:
         if gid:  # 0 is ignored, as the spec says
             gids.append(gid)
 
-    edits = _RawEdits(env, tuple(nodes), tuple(mounts), tuple(hooks), tuple(gids))
+    edits = _RawEdits(env, tuple(nodes), tuple(mounts), tuple(hooks), tuple(gids),
+                      refused=safety.first)
     if device_level and not (env or nodes or mounts or hooks or v.get("additionalGids")):
         raise SpecError(f"{where}: a device needs at least one edit")
     return edits
+
+
+def _check_resolved_source(root: HostRoot, host_path: str) -> None:
+    """A bind source that is a symlink is checked again where it leads: the runtime
+    follows it (a link to /var/lib/kubelet is /var/lib/kubelet)."""
+    try:
+        resolved = root.resolve(host_path)
+    except OSError as e:
+        raise UnsafeEdit(f"mount source {host_path!r} cannot be resolved: "
+                         f"{e.strerror or e}") from e
+    if resolved != host_path:
+        try:
+            check_mount_source(resolved)
+        except UnsafeEdit as e:
+            raise UnsafeEdit(f"mount source {host_path!r} leads to {resolved!r}: {e}") from e
 
 
 def _list(v: Any, loc: str) -> list[Any]:

@@ -1,14 +1,17 @@
 """Static devices: hardware with no discoverer, declared in the config file.
 
 Owns: discover_static(root, devices) -> Found. Imports nri_accel.config (StaticDevice),
-nri_accel.errors, nri_accel.inventory and nri_accel.discover.{base,hostroot}.
+nri_accel.edits (the safety rules), nri_accel.errors, nri_accel.inventory and
+nri_accel.discover.{base,hostroot}.
 
 Each `[[static.devices]]` entry becomes one Device (vendor "", attribute origin
 "config") whose edits are its device nodes and env. The config gives only host paths;
-type, major and minor come from lstat of each node. An entry with a node that is
-missing, a symlink or not a device is left out whole, with a Problem naming it: a
-device granted without one of its nodes would fail in the container, later and less
-clearly. A qualified name declared twice keeps its first entry.
+nri_accel.edits' rules decide which may be emitted (a node under /dev; env that sets
+neither LD_PRELOAD nor LD_AUDIT), before anything is read; type, major and minor come
+from lstat of each node. An entry with a node that is refused, missing, a symlink or
+not a device is left out whole, with a Problem naming it: a device granted without one
+of its nodes would fail in the container, later and less clearly. A qualified name
+declared twice keeps its first entry.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from types import MappingProxyType
 from nri_accel.config import StaticDevice
 from nri_accel.discover.base import Found, host_device_node
 from nri_accel.discover.hostroot import HostRoot
+from nri_accel.edits import UnsafeEdit, check_env, check_node_path
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Problem
 
@@ -37,6 +41,14 @@ def discover_static(root: HostRoot, devices: Sequence[StaticDevice]) -> Found:
             continue
         seen.add(qualified)
         nodes: list[DeviceNode] = []
+        try:
+            for kv in entry.env:
+                check_env(kv)
+            for path in entry.device_nodes:
+                check_node_path(path)
+        except UnsafeEdit as e:
+            problems.append(Problem(f"static device {qualified}", f"left out: {e}"))
+            continue
         try:
             for path in entry.device_nodes:
                 nodes.append(host_device_node(root, path))
