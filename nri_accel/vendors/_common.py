@@ -1,0 +1,141 @@
+"""Small readers the sysfs-driven vendor profiles share.
+
+Owns: read(), proc_devices(), link_name(), resolved_name(), pci_numa_node(),
+node_identity(), decimal_index() and node_checked() (a host device node from lstat whose
+type, major and minor are then checked against what the driver says they must be).
+Imports the standard library, nri_accel.errors, nri_accel.inventory and
+nri_accel.discover.{base,hostroot}. Every path goes through the HostRoot; nothing here
+raises for a missing or malformed file: callers get None and decide.
+
+/proc/devices (fs/proc/devices.c, chrdev_show): a "Character devices:" section of
+"%3d %s" lines (major, name registered by the driver), then a blank line and
+"Block devices:". Only the character section is read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+
+from nri_accel.discover.base import host_device_node
+from nri_accel.discover.hostroot import HostRoot, walk_in_root
+from nri_accel.errors import DiscoveryError
+from nri_accel.inventory import DeviceNode
+
+PROC_DEVICES = "/proc/devices"
+MAX_INDEX_DIGITS = 8  # no node numbers its accelerators past 99,999,999
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def read(root: HostRoot, host_path: str) -> str | None:
+    """The text of a (sysfs, procfs) file, None when it cannot be read."""
+    try:
+        return root.read_text(host_path)
+    except (OSError, ValueError):
+        return None
+
+
+def read_stripped(root: HostRoot, host_path: str) -> str | None:
+    """read() without surrounding whitespace; None for a missing or empty file."""
+    text = read(root, host_path)
+    text = text.strip() if text is not None else None
+    return text or None
+
+
+def proc_devices(root: HostRoot) -> dict[str, frozenset[int]] | None:
+    """Character-device majors by driver name from /proc/devices; None if unreadable."""
+    text = read(root, PROC_DEVICES)
+    if text is None:
+        return None
+    majors: dict[str, set[int]] = {}
+    in_char = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.endswith(":"):
+            in_char = stripped == "Character devices:"
+            continue
+        parts = stripped.split(None, 1)
+        if in_char and len(parts) == 2 and parts[0].isdigit():
+            majors.setdefault(parts[1], set()).add(int(parts[0]))
+    return {name: frozenset(m) for name, m in majors.items()}
+
+
+def link_name(root: HostRoot, host_path: str) -> str | None:
+    """The last component of a symlink's target (a sysfs "driver" link), else None."""
+    try:
+        return os.path.basename(os.readlink(root.local(host_path)).rstrip("/")) or None
+    except (OSError, ValueError):
+        return None
+
+
+def resolved_name(root: HostRoot, host_path: str) -> str | None:
+    """The last component of `host_path` with every symlink resolved inside the root (a
+    sysfs "device" link names the PCI function it leads to), else None."""
+    try:
+        return os.path.basename(walk_in_root(root.root or "/", host_path)) or None
+    except (OSError, ValueError):
+        return None
+
+
+def pci_numa_node(root: HostRoot, bus_id: str) -> int | None:
+    """The NUMA node of PCI function `bus_id` (sysfs numa_node; -1 means none)."""
+    text = read_stripped(root, root.sys_path(f"bus/pci/devices/{bus_id}/numa_node"))
+    try:
+        node = int(text) if text is not None else -1
+    except ValueError:
+        return None
+    return node if node >= 0 else None
+
+
+def node_identity(root: HostRoot, host_path: str) -> tuple[int, int, int] | None:
+    """lstat identity for change detection: file type, device number, inode."""
+    try:
+        st = root.lstat(host_path)
+    except (OSError, ValueError):
+        return None
+    return (stat.S_IFMT(st.st_mode), st.st_rdev, st.st_ino)
+
+
+def decimal_index(token: str, what: str) -> str:
+    """A device index as written in an env value, canonical ("07" -> "7"); ValueError
+    naming `what` when it is not one."""
+    if not _DIGITS.fullmatch(token):
+        raise ValueError(f"{what} {token!r} is not a device index (decimal digits)")
+    if len(token.lstrip("0")) > MAX_INDEX_DIGITS:
+        raise ValueError(f"{what} {token!r} is out of range")
+    return str(int(token))
+
+
+def node_checked(
+    root: HostRoot,
+    host_path: str,
+    *,
+    majors: dict[str, frozenset[int]] | None,
+    driver: str,
+    minor: int | None,
+) -> DeviceNode:
+    """host_device_node() of a character device that must belong to `driver`.
+
+    Numbers come from lstat (symlinks refused); the major must be one /proc/devices lists
+    for `driver` (skipped when /proc/devices could not be read: `majors` None) and the
+    minor must be `minor` when given. Raises DiscoveryError (source: the host path).
+    """
+    node = host_device_node(root, host_path)
+    if node.type != "c":
+        raise DiscoveryError("is a block device; a character device was expected",
+                             source=host_path)
+    if majors is not None:
+        allowed = majors.get(driver)
+        if not allowed:
+            raise DiscoveryError(f"no {driver!r} character major in {PROC_DEVICES}: the "
+                                 "driver that owns this node is not loaded", source=host_path)
+        if node.major not in allowed:
+            raise DiscoveryError(
+                f"major {node.major} is not the {driver!r} major "
+                f"({', '.join(str(m) for m in sorted(allowed))}) in {PROC_DEVICES}",
+                source=host_path)
+    if minor is not None and node.minor != minor:
+        raise DiscoveryError(f"minor {node.minor} is not the expected {minor}",
+                             source=host_path)
+    return node
