@@ -28,6 +28,8 @@ MAX_VALUE_BYTES = 4096
 MAX_IDS = 256
 MAX_NAME_CHARS = 253  # longest annotation key or variable name shown as it is in a source
 MAX_ID_CHARS = 128
+MAX_INDEX_DIGITS = 8  # no node numbers its accelerators past 99,999,999
+_DIGITS_RE = re.compile(r"[0-9]+")
 _MAX_RANGE_DIGITS = 6
 _RANGE_RE = re.compile(r"([0-9]+)-([0-9]+)")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -162,3 +164,13 @@ class ClaimSet:
         out += [DeviceClaim(k, count=n, source=self.source) for k, n in self.counts.items()]
         out += [DeviceClaim(k, all=True, source=self.source, cdi=self.cdi) for k in self.alls]
         return tuple(sorted(out, key=claim_order))
+
+
+def decimal_index(token: str, what: str) -> str:
+    """A device index as written in an env value, canonical ("07" -> "7"); ValueError
+    naming `what` when it is not one."""
+    if not _DIGITS_RE.fullmatch(token):
+        raise ValueError(f"{what} {token!r} is not a device index (decimal digits)")
+    if len(token.lstrip("0")) > MAX_INDEX_DIGITS:
+        raise ValueError(f"{what} {token!r} is out of range")
+    return str(int(token))

@@ -14,12 +14,14 @@ first, the generic CDI family (specs and static devices) last.
 
 from __future__ import annotations
 
-from nri_accel.vendors import cdi, neuron, nvidia
+from nri_accel.vendors import amd, cdi, gaudi, neuron, nvidia
 from nri_accel.vendors.base import Profile
 
 PROFILES: tuple[Profile, ...] = (
     nvidia.PROFILE,
     neuron.PROFILE,
+    gaudi.PROFILE,
+    amd.PROFILE,
     cdi.PROFILE,
 )
 

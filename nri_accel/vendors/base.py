@@ -1,8 +1,9 @@
 """The vendor profile interface: what an accelerator family owns, and the types it uses.
 
 Owns: Profile (the base class every family subclasses), EnvAsk and EnvSource (what a
-family reads from a container's env), FamilyEdits (what a family adds for a selection)
-and the DriverFiles view of the edits catalog a family reads. Imports the standard
+family reads from a container's env) with visible_ask() (the usual shape of a
+visibility variable), FamilyEdits (what a family adds for a selection) and the
+DriverFiles view of the edits catalog a family reads. Imports the standard
 library, nri_accel.config (types), nri_accel.errors, nri_accel.inventory,
 nri_accel.syntax and nri_accel.discover.base (Found). Pure, except discover() and
 probe(), which read the host through a HostRoot.
@@ -88,15 +89,15 @@ README saying what real node it stands for, and tests of its discovery and env g
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from nri_accel.discover.base import Found
-from nri_accel.errors import AllocationError
+from nri_accel.errors import AllocationError, RequestError
 from nri_accel.inventory import ContainerEdits, Device
-from nri_accel.syntax import DeviceClaim
+from nri_accel.syntax import ClaimSet, DeviceClaim, check_id
 
 if TYPE_CHECKING:
     from nri_accel.config import Config, DevicePluginConfig
@@ -259,6 +260,32 @@ class Profile:
 
     def partition(self, device: Device, inventory: Any) -> str:
         return ""
+
+
+def visible_ask(env: Mapping[str, str], var: str, kind: str,
+                parse: Callable[[str], str | tuple[str, ...] | None]) -> EnvAsk:
+    """The usual shape of a family's visibility variable (HABANA_VISIBLE_DEVICES,
+    AMD_VISIBLE_DEVICES): unset asks nothing; `parse` returns None for a value that asks
+    no device (the variable is still set: `visible`), "all", or device ids, and raises
+    ValueError (turned into a RequestError naming the variable) for anything else."""
+    if var not in env:
+        return NO_ASK
+    name = f"env {var}"
+    value = env[var]
+    try:
+        parsed = parse(value)
+    except ValueError as e:
+        raise RequestError(str(e), source=name) from e
+    if parsed is None:
+        return EnvAsk(visible=True)
+    if parsed == "all":
+        claims: tuple[DeviceClaim, ...] = (DeviceClaim(kind, all=True, source=name),)
+    else:
+        acc = ClaimSet(name)
+        for ident in parsed:
+            acc.add_id(kind, check_id(ident, name))
+        claims = acc.claims()
+    return EnvAsk(sources=(EnvSource(name, claims, value),), visible=True)
 
 
 def joined_ranges(numbers: Iterable[int]) -> str:

@@ -653,7 +653,8 @@ def generate_specs(inventory: Inventory) -> list[dict[str, Any]]:
         if not profile.native:
             continue
         for kind in profile.kinds:
-            devices = inventory.of_kind(kind)
+            # what the family discovered itself (a CDI spec's devices are its own file's)
+            devices = tuple(d for d in inventory.of_kind(kind) if d.vendor == profile.name)
             if not devices:
                 continue
             raw_devices = [{"name": d.name, "containerEdits": _edits_to_raw(d.edits)}
