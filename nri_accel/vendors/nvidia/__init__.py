@@ -150,7 +150,8 @@ class NvidiaProfile(Profile):
     def discover(self, root: HostRoot, config: Config) -> Found:
         from nri_accel.vendors.nvidia.discover import discover_nvidia
 
-        return discover_nvidia(root)
+        return discover_nvidia(
+            root, create_device_nodes=config.discovery.create_device_nodes)
 
     def probe(self, root: HostRoot, config: Config) -> list[tuple[str, Any]]:
         from nri_accel.vendors.nvidia.discover import probe

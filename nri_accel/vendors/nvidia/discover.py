@@ -1,8 +1,9 @@
 """NVIDIA discovery: GPUs, MIG devices and the driver's files, from NVML and the host.
 
-Owns: discover_nvidia(root), nvml_library(root), probe(root) and the NVIDIA facts they
-encode (which libraries and binaries each driver capability brings, brand/architecture
-names, MIG profiles, device node and capability-file layout). Imports
+Owns: discover_nvidia(root), nvml_library(root), probe(root), parse_mig_minors() and
+the NVIDIA facts they encode (which libraries and binaries each driver capability
+brings, brand/architecture names, MIG profiles, device node and capability-file
+layout). Imports
 nri_accel.discover.{nvml, ldcache, hostroot, base, kernel, probe}, nri_accel.errors,
 nri_accel.inventory, nri_accel.log and the kinds of nri_accel.vendors.nvidia; never
 pynvml itself (the nvml adapter does). Runs at startup and on refresh, never on a
@@ -19,7 +20,13 @@ What it finds:
 - A Device of kind nvidia.com/mig per MIG device (name "<gpu index>:<mig index>",
   the NVIDIA_VISIBLE_DEVICES syntax; uuid "MIG-..."; alias "MIG-GPU-<uuid>/<gi>/<ci>";
   edits: the parent's /dev/nvidia<minor> plus the nvidia-caps nodes of its GPU and
-  compute instances' "access" capabilities; parent = the GPU's name).
+  compute instances' "access" capabilities; parent = the GPU's name). A capability's
+  minor comes from the driver's table /proc/driver/nvidia-caps/mig-minors
+  ("gpu0/gi2/access 21", "gpu0/gi2/ci0/access 22", "config 1", "monitor 2"; the
+  toolkit's internal/nvcaps reads it too), else from its file under
+  /proc/driver/nvidia/capabilities ("DeviceFileMinor: 21", what libnvidia-container
+  reads); the two disagreeing is refused (the wrong minor would grant another instance).
+  The major is nvidia-caps' in /proc/devices.
 - Driver("nvidia") with its files by capability, as libnvidia-container grants them
   (src/nvc_info.c lists, src/nvc_mount.c rules):
     ""          /dev/nvidiactl, GSP firmware
@@ -44,6 +51,21 @@ Device nodes are taken with lstat: major/minor from the node itself, a symlink o
 non-device refused with a Problem (and left out), never followed. A node whose
 /dev/char/<major>:<minor> link is missing is reported (runc's systemd cgroup driver
 needs it). NVML absent or failing: Found with one Problem, other vendors unaffected.
+
+nvidia-caps nodes are the exception: the driver creates them only on demand
+(nvidia-modprobe -f <capability file>, which CUDA runs when it first opens a MIG
+device), so on a freshly booted node they are often missing. A missing one is granted
+anyway, as a DeviceNode built from its type, major and minor (the runtime creates the
+node inside the container; it needs no host node), with a Problem saying so: a
+container in a user namespace (runc bind-mounts device nodes there) and runc's systemd
+cgroup driver (it allows a device through its /dev/char link) need the host node. With
+discovery.create_device_nodes (off by default: it modifies the host) discovery creates
+them through the HostRoot as nvidia-modprobe does (/dev/nvidia-caps 0755, the node with
+the DeviceFileMode of its capability file, 0666 as nvidia-ctk where that gives none),
+and the missing /dev/char/<major>:<minor> links of every node it grants, relative as
+udev and nvidia-modprobe write them (nvidia-ctk system create-dev-char-symlinks makes
+the same links). It never replaces an entry that exists, and never runs on a
+CreateContainer.
 """
 
 from __future__ import annotations
@@ -89,6 +111,8 @@ LIB_DIR = "/usr/local/nvidia/lib64"
 LIB32_DIR = "/usr/local/nvidia/lib"
 BIN_DIR = "/usr/bin"
 PROC_CAPS = "/proc/driver/nvidia/capabilities"
+MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
+CAPS_DIR = "nvidia-caps"  # under /dev
 IPC_OPTIONS = ("ro", "nosuid", "nodev", "noexec", "bind")
 MIB = 1 << 20
 GIB = 1 << 30
@@ -139,6 +163,9 @@ _NVLINK_GPU = 0
 _NVLINK_SWITCH = 2
 _PROFILE_RE = re.compile(r"^(\d+c\.)?\d+g\.\d+gb(\+[a-z0-9]+)*$")
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?$")
+_MIG_CAP_RE = re.compile(r"config|monitor|gpu[0-9]+/gi[0-9]+(/ci[0-9]+)?/access")
+_MINOR_RE = re.compile(r"[0-9]{1,7}")
+_MAX_MINOR = (1 << 20) - 1  # Linux minors are 20 bits
 
 
 def normalise_pci_bus_id(value: str) -> str:
@@ -176,9 +203,11 @@ def nvml_library(root: HostRoot) -> str | None:
     return locator.local_path(lib) if lib is not None else None
 
 
-def discover_nvidia(root: HostRoot) -> Found:
+def discover_nvidia(root: HostRoot, *, create_device_nodes: bool = False) -> Found:
     """NVIDIA GPUs, MIG devices and driver files under `root`. Never raises for a
-    missing or broken driver: the reason is a Problem."""
+    missing or broken driver: the reason is a Problem. `create_device_nodes`: create the
+    nvidia-caps nodes and /dev/char links the host lacks (config
+    discovery.create_device_nodes)."""
     started = time.perf_counter()
     locator = Locator(root)
     problems = list(locator.problems)
@@ -195,7 +224,7 @@ def discover_nvidia(root: HostRoot) -> Found:
                                         "NVIDIA GPUs are not discovered"))
         return Found(problems=tuple(problems))
 
-    scan = _Scan(root, problems)
+    scan = _Scan(root, problems, create=create_device_nodes)
     problems.extend(Problem(VENDOR, f"the driver lacks {fn}: "
                                     f"{_FALLBACKS.get(fn, 'that field is left empty')}")
                     for fn in snap.missing)
@@ -224,12 +253,15 @@ def discover_nvidia(root: HostRoot) -> Found:
 
 @dataclass(slots=True)
 class _Scan:
-    """Reads device nodes and /proc for one discovery, collecting Problems."""
+    """Reads device nodes and /proc for one discovery, collecting Problems. With
+    `create`, creates the nvidia-caps nodes and /dev/char links the host lacks."""
 
     root: HostRoot
     problems: list[Problem]
+    create: bool = False
     _caps_major: int | None = field(default=None)
     _caps_major_read: bool = field(default=False)
+    _mig_minors: dict[str, int] | None = field(default=None)
 
     def node(self, name: str, *, expect: tuple[int | None, int | None] = (None, None),
              what: str, required: bool = True) -> DeviceNode | None:
@@ -265,12 +297,16 @@ class _Scan:
     def _check_char_link(self, host: str, major: int, minor: int) -> None:
         link = self.root.dev_path(f"char/{major}:{minor}")
         hint = ("runc's systemd cgroup driver needs it to allow the device "
-                "(nvidia-ctk system create-dev-char-symlinks --create-all)")
+                "(nvidia-ctk system create-dev-char-symlinks --create-all")
         try:
             st = self.root.lstat(link)
         except OSError:
-            self.problems.append(Problem(link, f"missing (a link to {host}): {hint}"))
+            if not (self.create and self._create_char_link(link, host)):
+                self.problems.append(Problem(link, (
+                    f"missing (a link to {host}): {hint}, or [discovery] "
+                    "create_device_nodes = true)")))
             return
+        hint += ")"
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(self.root.local(link))
             resolved = os.path.normpath(os.path.join(os.path.dirname(link), target))
@@ -279,33 +315,108 @@ class _Scan:
         elif not (stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(major, minor)):
             self.problems.append(Problem(link, f"is neither a link to {host} nor that device"))
 
-    def cap_node(self, proc_path: str, *, what: str) -> DeviceNode | None:
-        """The /dev/nvidia-caps node named by an nvidia capability file in /proc
-        ("DeviceFileMinor: N"), checked against the nvidia-caps major."""
-        minor = self._cap_minor(proc_path)
+    def _create_char_link(self, link: str, host: str) -> bool:
+        """/dev/char/<major>:<minor> -> ../<node>, relative as udev and nvidia-modprobe
+        write it (so it holds under any root). Never replaces what is there."""
+        target = posixpath.relpath(host, posixpath.dirname(link))
+        try:
+            self.root.makedirs(posixpath.dirname(link), 0o755)
+            self.root.symlink(link, target)
+        except OSError as e:
+            self.problems.append(Problem(link, f"cannot create it (a link to {host}): "
+                                               f"{e.strerror or e}"))
+            return True  # reported
+        log.info("dev_char_link_created", link=link, target=target)
+        return True
+
+    def cap_node(self, proc_path: str, key: str, *, what: str) -> DeviceNode | None:
+        """The /dev/nvidia-caps node of an nvidia capability: `proc_path` its file under
+        /proc/driver/nvidia/capabilities, `key` its line in mig-minors ("config",
+        "gpu0/gi2/access", "gpu0/gi2/ci0/access"). The minor comes from mig-minors, else
+        from the capability file's DeviceFileMinor (refused when they disagree: the
+        wrong minor would grant another instance), the major from /proc/devices. A node
+        the host lacks is still granted, created first when `create`."""
+        fields = self._cap_fields(proc_path)
+        from_file = fields.get("DeviceFileMinor")
+        from_table = self.mig_minors().get(key)
+        if from_file is not None and from_table is not None and from_file != from_table:
+            self.problems.append(Problem(proc_path, (
+                f"says minor {from_file} but {MIG_MINORS} says {from_table} for {key}: "
+                f"{what} is left out")))
+            return None
+        minor = from_table if from_table is not None else from_file
         if minor is None:
-            self.problems.append(Problem(proc_path, f"missing or unreadable: {what} is left out"))
+            self.problems.append(Problem(proc_path, (
+                f"missing or unreadable, and {MIG_MINORS} has no {key}: {what} is left out")))
             return None
         major = self.caps_major()
         if major is None:
             self.problems.append(Problem("/proc/devices", (
                 f"no nvidia-caps character device major: {what} is left out")))
             return None
-        return self.node(f"nvidia-caps/nvidia-cap{minor}", expect=(major, minor), what=what)
+        name = f"{CAPS_DIR}/nvidia-cap{minor}"
+        host = self.root.dev_path(name)
+        mode = fields.get("DeviceFileMode")
+        if self.root.exists(host) or (
+                self.create and self._create_cap_node(host, major, minor, mode, what)):
+            return self.node(name, expect=(major, minor), what=what)
+        if not self.create:  # (a failed creation is reported already)
+            self.problems.append(Problem(host, (
+                f"missing: {what} is granted anyway as char {major}:{minor}, which the "
+                "runtime creates in the container; user-namespace containers need the "
+                "host node and runc's systemd cgroup driver "
+                f"/dev/char/{major}:{minor} (nvidia-modprobe -f {proc_path}, or "
+                "[discovery] create_device_nodes = true)")))
+        path = "/dev/" + name
+        return DeviceNode(path=path, major=major, minor=minor, type="c",
+                          host_path="" if host == path else host,
+                          file_mode=None if mode is None else stat.S_IMODE(mode))
 
-    def _cap_minor(self, proc_path: str) -> int | None:
+    def _create_cap_node(self, host: str, major: int, minor: int, mode: int | None,
+                         what: str) -> bool:
+        """mknod the nvidia-caps node as nvidia-modprobe does: /dev/nvidia-caps 0755, the
+        node with the DeviceFileMode of its capability file (0666, as nvidia-ctk, where
+        the file gives none)."""
+        perm = 0o666 if mode is None else stat.S_IMODE(mode)
+        try:
+            self.root.makedirs(posixpath.dirname(host), 0o755)
+            self.root.mknod_char(host, major, minor, perm)
+        except FileExistsError:
+            return True  # created meanwhile (nvidia-modprobe): lstat it as found
+        except OSError as e:
+            self.problems.append(Problem(host, (
+                f"missing, and cannot create it ({e.strerror or e}): {what} is granted "
+                f"anyway as char {major}:{minor}, which the runtime creates in the "
+                "container")))
+            return False
+        log.info("device_node_created", path=host, major=major, minor=minor,
+                 mode=f"{perm:04o}")
+        return True
+
+    def _cap_fields(self, proc_path: str) -> dict[str, int]:
+        """The "Name: number" lines of a capability file (DeviceFileMinor,
+        DeviceFileMode, ...); empty when it cannot be read."""
         try:
             text = self.root.read_text(proc_path)
         except OSError:
-            return None
+            return {}
+        out = {}
         for line in text.splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "DeviceFileMinor":
-                try:
-                    return int(value)
-                except ValueError:
-                    return None
-        return None
+            try:
+                out.setdefault(key.strip(), int(value))
+            except ValueError:
+                continue
+        return out
+
+    def mig_minors(self) -> dict[str, int]:
+        if self._mig_minors is None:
+            try:
+                text = self.root.read_text(MIG_MINORS)
+            except OSError:
+                text = ""
+            self._mig_minors = parse_mig_minors(text)
+        return self._mig_minors
 
     def caps_major(self) -> int | None:
         if not self._caps_major_read:
@@ -313,6 +424,19 @@ class _Scan:
             self._caps_major = char_major(self.root, "nvidia-caps")
         return self._caps_major
 
+
+def parse_mig_minors(text: str) -> dict[str, int]:
+    """/proc/driver/nvidia-caps/mig-minors: "<capability> <minor>" lines, the capability
+    one of config, monitor, gpu<N>/gi<G>/access, gpu<N>/gi<G>/ci<C>/access (N the GPU's
+    minor). Malformed lines are skipped, as the toolkit does (internal/nvcaps)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) != 2 or not _MIG_CAP_RE.fullmatch(fields[0]) \
+                or not _MINOR_RE.fullmatch(fields[1]) or int(fields[1]) > _MAX_MINOR:
+            continue
+        out.setdefault(fields[0], int(fields[1]))
+    return out
 
 
 # ---- devices -------------------------------------------------------------------------
@@ -395,8 +519,10 @@ def _mig_devices(g: nvml.GpuInfo, parent_node: DeviceNode, bus: str, numa: int |
         name = f"{g.index}:{m.index}"
         what = f"MIG device {name} ({m.uuid})"
         gpu_dir = f"{PROC_CAPS}/gpu{g.minor}/mig/gi{m.gi}"
-        gi_node = scan.cap_node(f"{gpu_dir}/access", what=what)
-        ci_node = scan.cap_node(f"{gpu_dir}/ci{m.ci}/access", what=what)
+        key = f"gpu{g.minor}/gi{m.gi}"
+        gi_node = scan.cap_node(f"{gpu_dir}/access", f"{key}/access", what=what)
+        ci_node = scan.cap_node(f"{gpu_dir}/ci{m.ci}/access", f"{key}/ci{m.ci}/access",
+                                what=what)
         if gi_node is None or ci_node is None:
             continue
         attrs = {k: parent_attrs[k] for k in ("brand", "arch", "compute_capability")
@@ -508,10 +634,10 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
     if compat is not None:
         every = (*UTILITY_LIBS, *COMPUTE_LIBS, *VIDEO_LIBS, *GRAPHICS_LIBS, *NGX_LIBS)
         caps["compat32"] = ContainerEdits(mounts=tuple(libs(every, ARCHES[compat], LIB32_DIR)))
-    for cap, proc in (("mig-config", "mig/config"), ("mig-monitor", "mig/monitor")):
-        path = f"{PROC_CAPS}/{proc}"
+    for cap, key in (("mig-config", "config"), ("mig-monitor", "monitor")):
+        path = f"{PROC_CAPS}/mig/{key}"
         if scan.root.exists(path):
-            caps[cap] = ContainerEdits(device_nodes=nodes(scan.cap_node(path, what=cap)))
+            caps[cap] = ContainerEdits(device_nodes=nodes(scan.cap_node(path, key, what=cap)))
     return {k: _sorted(v) for k, v in caps.items() if v}
 
 
