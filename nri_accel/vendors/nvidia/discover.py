@@ -3,7 +3,7 @@
 Owns: discover_nvidia(root), nvml_library(root), probe(root), parse_mig_minors() and
 the NVIDIA facts they encode (which libraries and binaries each driver capability
 brings, brand/architecture names, MIG profiles, device node and capability-file
-layout). Imports
+layout, where the IPC sockets live). Imports
 nri_accel.discover.{nvml, ldcache, hostroot, base, kernel, probe}, nri_accel.errors,
 nri_accel.inventory, nri_accel.log and the kinds of nri_accel.vendors.nvidia; never
 pynvml itself (the nvml adapter does). Runs at startup and on refresh, never on a
@@ -31,7 +31,8 @@ What it finds:
   (src/nvc_info.c lists, src/nvc_mount.c rules):
     ""          /dev/nvidiactl, GSP firmware
     utility     NVML & co. libraries, nvidia-smi/-debugdump/-persistenced/nv-fabricmanager,
-                the persistenced and fabric manager sockets
+                the persistenced and fabric manager sockets (nvidia-persistenced/socket,
+                nvidia-fabricmanager/socket, in /var/run and in /run)
     compute     CUDA libraries, the MPS binaries, /dev/nvidia-uvm, /dev/nvidia-uvm-tools,
                 the MPS pipe directory
     video       video libraries plus what compute brings except its binaries
@@ -43,9 +44,14 @@ What it finds:
     mig-monitor /dev/nvidia-caps/nvidia-cap<N> of capabilities/mig/monitor
   Libraries are only the exact `<name>.so.<driver version>` files; each is mounted
   read-only at /usr/local/nvidia/lib64/<soname> (lib/ for compat32), binaries at
-  /usr/bin/<name>, firmware and IPC paths where the driver root has them. An IPC
-  path's last component must be the socket or directory itself, never a symlink (the
-  MPS pipe directory lives in world-writable /tmp): anything else is a Problem.
+  /usr/bin/<name>, firmware and IPC paths where the driver root has them. IPC paths:
+  libnvidia-container and the toolkit look only at /var/run, which on most hosts is a
+  link to /run; where /var/run is a real directory a daemon's socket may be in either,
+  so both are looked at, and each socket found is mounted at its own path (its
+  directories resolved in the root: /var/run -> /run gives one mount, at /run/...).
+  The MPS pipe directory is CUDA's default /tmp/nvidia-mps only. An IPC path's last
+  component must be the socket or directory itself, never a symlink (the MPS pipe
+  directory lives in world-writable /tmp): anything else is a Problem.
 
 Device nodes are taken with lstat: major/minor from the node itself, a symlink or a
 non-device refused with a Problem (and left out), never followed. A node whose
@@ -139,9 +145,14 @@ GRAPHICS_LIBS = (
 NGX_LIBS = ("libnvidia-ngx.so",)
 UTILITY_BINS = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nv-fabricmanager")
 COMPUTE_BINS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
-PERSISTENCED_SOCKET = "/var/run/nvidia-persistenced/socket"
-FABRICMANAGER_SOCKET = "/var/run/nvidia-fabricmanager/socket"
-MPS_PIPE_DIR = "/tmp/nvidia-mps"
+# IPC paths, as libnvidia-container (src/nvc_internal.h, _PATH_VARRUN) and the toolkit
+# (internal/discover/ipc.go) name them, looked up in /var/run and in /run: a host whose
+# /var/run is a real directory (many container root filesystems, hosts that never merged
+# it into /run) may have a daemon's socket in either.
+RUN_DIRS = ("/var/run", "/run")
+PERSISTENCED_SOCKET = "nvidia-persistenced/socket"
+FABRICMANAGER_SOCKET = "nvidia-fabricmanager/socket"
+MPS_PIPE_DIR = "/tmp/nvidia-mps"  # CUDA's default CUDA_MPS_PIPE_DIRECTORY, not a run dir
 
 # Lower-case names as CUDA images write them in NVIDIA_REQUIRE_CUDA ("brand=tesla").
 BRANDS = {
@@ -578,22 +589,34 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         return [Mount(locator.host_path(p), f"{BIN_DIR}/{n}")
                 for n in names if (p := locator.find_binary(n)) is not None]
 
-    def ipc(path: str, is_kind: Callable[[int], bool], kind: str) -> list[Mount]:
-        # The last component is taken as it is, never followed: a link planted there
-        # (/tmp is world-writable) would otherwise bind any host directory.
-        parent = locator.resolve(posixpath.dirname(path))
-        if parent is None:
-            return []
-        leaf = posixpath.join(parent, posixpath.basename(path))
-        try:
-            mode = os.lstat(locator.local_path(leaf)).st_mode
-        except OSError:
-            return []
-        if not is_kind(mode):
-            scan.problems.append(Problem(locator.host_path(leaf), (
-                f"is not a {kind} (a symlink is not followed): it is not mounted")))
-            return []
-        return [Mount(locator.host_path(leaf), leaf, options=IPC_OPTIONS)]
+    def ipc(paths: Iterable[str], is_kind: Callable[[int], bool], kind: str) -> list[Mount]:
+        # Each of `paths` that exists, mounted where it is (its directories resolved in
+        # the root, so /var/run -> /run gives one mount at /run/...). The last component
+        # is taken as it is, never followed: a link planted there (/tmp is
+        # world-writable) would otherwise bind any host directory.
+        out: list[Mount] = []
+        seen: set[str] = set()
+        for path in paths:
+            parent = locator.resolve(posixpath.dirname(path))
+            if parent is None:
+                continue
+            leaf = posixpath.join(parent, posixpath.basename(path))
+            if leaf in seen:
+                continue
+            seen.add(leaf)
+            try:
+                mode = os.lstat(locator.local_path(leaf)).st_mode
+            except OSError:
+                continue
+            if not is_kind(mode):
+                scan.problems.append(Problem(locator.host_path(leaf), (
+                    f"is not a {kind} (a symlink is not followed): it is not mounted")))
+                continue
+            out.append(Mount(locator.host_path(leaf), leaf, options=IPC_OPTIONS))
+        return out
+
+    def run_paths(name: str) -> tuple[str, ...]:
+        return tuple(f"{d}/{name}" for d in RUN_DIRS)
 
     def nodes(*maybe: DeviceNode | None) -> tuple[DeviceNode, ...]:
         return tuple(n for n in maybe if n is not None)
@@ -610,7 +633,7 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         scan.node("nvidia-uvm-tools", what="/dev/nvidia-uvm-tools (compute)", required=False),
     )
     compute_core = ContainerEdits(device_nodes=uvm, mounts=(
-        *compute_libs, *ipc(MPS_PIPE_DIR, stat.S_ISDIR, "directory")))
+        *compute_libs, *ipc((MPS_PIPE_DIR,), stat.S_ISDIR, "directory")))
     ctl = scan.node("nvidiactl", expect=(NVIDIA_MAJOR, NVIDIACTL_MINOR), what="every NVIDIA "
                     "capability (/dev/nvidiactl)")
     modeset = scan.node("nvidia-modeset", expect=(NVIDIA_MAJOR, MODESET_MINOR),
@@ -621,8 +644,8 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         "": ContainerEdits(device_nodes=nodes(ctl), mounts=tuple(firmware)),
         "utility": ContainerEdits(mounts=(
             *libs(UTILITY_LIBS, locator.arch, LIB_DIR), *bins(UTILITY_BINS),
-            *ipc(PERSISTENCED_SOCKET, stat.S_ISSOCK, "socket"),
-            *ipc(FABRICMANAGER_SOCKET, stat.S_ISSOCK, "socket"))),
+            *ipc(run_paths(PERSISTENCED_SOCKET), stat.S_ISSOCK, "socket"),
+            *ipc(run_paths(FABRICMANAGER_SOCKET), stat.S_ISSOCK, "socket"))),
         "compute": compute_core.merged(ContainerEdits(mounts=tuple(bins(COMPUTE_BINS)))),
         "video": ContainerEdits(mounts=tuple(libs(VIDEO_LIBS, locator.arch,
                                                   LIB_DIR))).merged(compute_core),
