@@ -33,11 +33,12 @@ monitor capabilities, which in turn are refused beside specific MIG devices; eve
 granted GPU or MIG device (a MIG device has its parent's arch and brand) must satisfy
 NVIDIA_REQUIRE_*, and with NVIDIA_VISIBLE_DEVICES=none the driver facts alone are checked.
 
-Edits: the driver's "" files, the files of each requested capability the driver has
-(64-bit before compat32, so LD_LIBRARY_PATH lists lib64 first), mig-config/mig-monitor
-when asked, NVIDIA_VISIBLE_DEVICES rewritten to the UUIDs injected ("none" for the
-driver alone, "void" when the image asked and nothing was granted) and
-NVIDIA_DRIVER_CAPABILITIES to the capabilities given.
+Edits: the driver's "" files, the files of each requested capability the driver has,
+with compat32 then each of their "compat32/<capability>" 32-bit builds (64-bit first, so
+LD_LIBRARY_PATH lists lib64 first), mig-config/mig-monitor when asked,
+NVIDIA_VISIBLE_DEVICES rewritten to the UUIDs injected ("none" for the driver alone,
+"void" when the image asked and nothing was granted) and NVIDIA_DRIVER_CAPABILITIES to
+the capabilities given (left as it is when none is).
 
 Device plugin: nvidia.com/gpu for whole GPUs not in MIG mode, nvidia.com/mig-<profile>
 for MIG devices (nvidia.com/mig-1g.10gb.me for the media-extension profile 1g.10gb+me).
@@ -92,7 +93,11 @@ CAPABILITIES_KEY = "capabilities.nri-accel.io"
 ALL_CAPABILITIES = frozenset(
     {"compute", "compat32", "graphics", "utility", "video", "display", "ngx"})
 DEFAULT_CAPABILITIES = frozenset({"utility", "compute"})
-CAPABILITY_ORDER = ("utility", "compute", "video", "graphics", "display", "ngx", "compat32")
+CAPABILITY_ORDER = ("utility", "compute", "video", "graphics", "display", "ngx")
+COMPAT32 = "compat32"
+# The Driver capability holding the 32-bit builds of one capability's libraries:
+# "compat32/compute" (discovery writes one per capability on nodes with a 32-bit ABI).
+COMPAT32_PREFIX = COMPAT32 + "/"
 MIG_CONFIG = "mig-config"  # Driver capabilities that are not driver capabilities of a
 MIG_MONITOR = "mig-monitor"  # request: the MIG management nodes
 NOT_CAPABILITIES = frozenset({BASE, MIG_CONFIG, MIG_MONITOR})
@@ -234,26 +239,44 @@ class NvidiaProfile(Profile):
             lib_dirs.update(dict.fromkeys(dirs))
 
         add(BASE)
-        caps: tuple[str, ...] = ()
+        given: list[str] = []  # the capabilities given, for NVIDIA_DRIVER_CAPABILITIES
         have = files.capabilities(VENDOR)
         if have:
             wanted = opts.capabilities - NOT_CAPABILITIES
-            missing = sorted(wanted - have)
+            others = sorted(wanted - {COMPAT32}, key=_capability_order)
+            missing = [c for c in others if c not in have]
+            given = [c for c in others if c in have]
+            if not wanted:
+                notes.append("no driver capabilities requested: only the driver's shared "
+                             "files")
+            if COMPAT32 in wanted:
+                if any(c.startswith(COMPAT32_PREFIX) for c in have):
+                    given.append(COMPAT32)
+                    if not others:
+                        notes.append("compat32 adds the 32-bit builds of the libraries the "
+                                     "other capabilities requested select: none requested")
+                else:
+                    missing.append(COMPAT32)
             if missing:
                 notes.append("driver capabilities with no files on this node: "
                              f"{', '.join(missing)}")
-            caps = tuple(sorted(wanted & have, key=_capability_order))
+            for cap in given:
+                if cap != COMPAT32:
+                    add(cap)
+            # 64-bit before 32-bit, so that LD_LIBRARY_PATH lists lib64 first
+            if COMPAT32 in given:
+                for cap in others:
+                    if COMPAT32_PREFIX + cap in have:
+                        add(COMPAT32_PREFIX + cap)
         else:
             notes.append("no NVIDIA driver files on this node: only device nodes and env")
-        for cap in caps:
-            add(cap)
         if opts.mig_config:
             add(MIG_CONFIG)
         if opts.mig_monitor:
             add(MIG_MONITOR)
         env = [(ENV_VISIBLE, ",".join(d.uuid or d.name for d in devices) or "none")]
-        if caps:
-            env.append((ENV_CAPABILITIES, ",".join(sorted(caps))))
+        if given:
+            env.append((ENV_CAPABILITIES, ",".join(sorted(given))))
         facts = (("capabilities", ",".join(sorted(opts.capabilities))),)
         return FamilyEdits(parts=tuple(parts), env=tuple(env), lib_dirs=tuple(lib_dirs),
                            notes=tuple(notes), facts=facts)
@@ -295,8 +318,8 @@ def _options(options: Hashable) -> Options:
 
 
 def _capability_order(cap: str) -> tuple[int, str]:
-    """The order capabilities' files are merged in: 64-bit before compat32, so that
-    LD_LIBRARY_PATH lists lib64 first."""
+    """The order capabilities' files are merged in (their 32-bit builds follow, in the
+    same order)."""
     return (CAPABILITY_ORDER.index(cap) if cap in CAPABILITY_ORDER else len(CAPABILITY_ORDER),
             cap)
 

@@ -39,7 +39,10 @@ What it finds:
     graphics    OpenGL/EGL/Vulkan libraries
     display     the graphics libraries and /dev/nvidia-modeset
     ngx         libnvidia-ngx
-    compat32    the 32-bit builds of all of those libraries (x86_64 nodes)
+    compat32/<capability>  (x86_64 nodes) the 32-bit builds of the libraries
+                <capability> selects (compat32/video: video and compute libraries,
+                compat32/display: the graphics ones); compat32 adds those of the other
+                capabilities requested, and nothing alone
     mig-config  /dev/nvidia-caps/nvidia-cap<N> of capabilities/mig/config
     mig-monitor /dev/nvidia-caps/nvidia-cap<N> of capabilities/mig/monitor
   Libraries are only the exact `<name>.so.<driver version>` files; each is mounted
@@ -105,7 +108,7 @@ from nri_accel.inventory import (
     parse_pci_bus_id,
 )
 from nri_accel.log import get_logger
-from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG, VENDOR
+from nri_accel.vendors.nvidia import COMPAT32_PREFIX, KIND_GPU, KIND_MIG, VENDOR
 
 log = get_logger(__name__)
 
@@ -143,6 +146,13 @@ GRAPHICS_LIBS = (
     "libGL.so", "libEGL.so", "libGLESv1_CM.so", "libGLESv2.so",
 )
 NGX_LIBS = ("libnvidia-ngx.so",)
+# The libraries each capability selects (nvc_info.c match_library_flags through the
+# nvc.c container options: video is OPT_VIDEO_LIBS|OPT_COMPUTE_LIBS, display
+# OPT_DISPLAY|OPT_GRAPHICS_LIBS), whose 32-bit builds compat32 adds.
+COMPAT32_LIBS = {
+    "utility": UTILITY_LIBS, "compute": COMPUTE_LIBS, "video": (*VIDEO_LIBS, *COMPUTE_LIBS),
+    "graphics": GRAPHICS_LIBS, "display": GRAPHICS_LIBS, "ngx": NGX_LIBS,
+}
 UTILITY_BINS = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nv-fabricmanager")
 COMPUTE_BINS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 # IPC paths, as libnvidia-container (src/nvc_internal.h, _PATH_VARRUN) and the toolkit
@@ -655,8 +665,12 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
     }
     compat = COMPAT32.get(locator.arch.name)
     if compat is not None:
-        every = (*UTILITY_LIBS, *COMPUTE_LIBS, *VIDEO_LIBS, *GRAPHICS_LIBS, *NGX_LIBS)
-        caps["compat32"] = ContainerEdits(mounts=tuple(libs(every, ARCHES[compat], LIB32_DIR)))
+        # compat32 is no set of files of its own: it adds the 32-bit builds of what the
+        # other requested capabilities select (libnvidia-container mounts libs32 through
+        # the same match_library_flags() filter as the 64-bit ones, nvc_mount.c).
+        for cap, names in COMPAT32_LIBS.items():
+            caps[f"{COMPAT32_PREFIX}{cap}"] = ContainerEdits(
+                mounts=tuple(libs(names, ARCHES[compat], LIB32_DIR)))
     for cap, key in (("mig-config", "config"), ("mig-monitor", "monitor")):
         path = f"{PROC_CAPS}/mig/{key}"
         if scan.root.exists(path):
