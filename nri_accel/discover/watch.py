@@ -57,8 +57,8 @@ def watch_state(root: HostRoot, config: Config) -> State:
 
 def nodes_match(root: HostRoot, inventory: Inventory) -> bool:
     """Whether every device node the Inventory grants is still that node on the host. A
-    node the host lacked at discovery (granted anyway, a Problem naming its path, such
-    as an uncreated nvidia-caps node) matches while it is still missing."""
+    node the host lacked at discovery (one a family grants anyway, a Problem naming its
+    path) matches while it is still missing."""
     absent = {p.source for p in inventory.problems}
     nodes: dict[str, DeviceNode] = {}
     for device in inventory.devices:
