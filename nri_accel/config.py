@@ -29,6 +29,9 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
     cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
     driver_root = "/"            # host path of the NVIDIA driver's files
     refresh_interval = 10.0      # seconds between cheap change checks; 0 disables
+    create_device_nodes = false  # create the /dev/nvidia-caps/nvidia-cap<N> nodes MIG
+                                 # devices need, and the /dev/char/<major>:<minor> links
+                                 # of NVIDIA nodes, where the host lacks them (see below)
 
     [health]                     # NVIDIA device health from NVML events
                                  # (nri_accel.vendors.nvidia.health)
@@ -50,6 +53,19 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
     name = "npu0"
     device_nodes = ["/dev/npu0"] # host paths; major/minor come from lstat of the node
     env = ["ACME_VISIBLE=0"]
+
+discovery.create_device_nodes is off by default because it modifies the host: it
+writes into the host's /dev, which belongs to the driver's own tools (nvidia-modprobe
+creates nvidia-caps nodes on demand, `nvidia-ctk system create-device-nodes` and
+`create-dev-char-symlinks` do it at boot). Off, nothing is lost for most containers:
+a MIG device whose nodes are missing is granted anyway (the runtime creates a device
+node inside the container from its type, major and minor), with a Problem saying so.
+On, discovery and refresh (never a CreateContainer) create, through the HostRoot,
+the missing nvidia-caps nodes (mode from the capability's DeviceFileMode) and
+/dev/char links, which two setups need: containers in a user namespace (runc
+bind-mounts device nodes from the host there) and runc's systemd cgroup driver (it
+allows a device through its /dev/char link, so a `systemctl daemon-reload` revokes
+one without it). It needs CAP_MKNOD and a writable host /dev.
 """
 
 from __future__ import annotations
@@ -104,6 +120,7 @@ class DiscoveryConfig:
     cdi_spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
     driver_root: str = "/"
     refresh_interval: float = 10.0
+    create_device_nodes: bool = False  # create missing nvidia-caps nodes, /dev/char links
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +224,8 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
         raise ConfigError("must be an absolute path without '..'",
                           source=r.src("devices.hook_path"))
 
-    disc = r.table("discovery", {"cdi_spec_dirs", "driver_root", "refresh_interval"})
+    disc = r.table("discovery", {"cdi_spec_dirs", "driver_root", "refresh_interval",
+                                 "create_device_nodes"})
     spec_dirs = r.str_list(disc, "discovery.cdi_spec_dirs", ["/etc/cdi", "/var/run/cdi"])
     for d in spec_dirs:
         if not d.startswith("/"):
@@ -282,7 +300,8 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
             hook_path=hook_path,
             shared_kinds=frozenset(shared_kinds),
         ),
-        discovery=DiscoveryConfig(tuple(spec_dirs), driver_root, float(interval)),
+        discovery=DiscoveryConfig(tuple(spec_dirs), driver_root, float(interval),
+                                  r.get(disc, "discovery.create_device_nodes", bool, False)),
         health=HealthConfig(r.get(health, "health.enabled", bool, True), frozenset(xids),
                             float(recheck)),
         log=LogConfig(level, fmt),

@@ -219,8 +219,8 @@ class Driver:
     """A vendor driver found on the node and the shared edits each capability brings.
 
     NVIDIA capabilities: "utility", "compute", "video", "graphics", "display", "ngx",
-    "compat32"; key "" holds what every container using the vendor gets (control
-    nodes such as /dev/nvidiactl, /dev/nvidia-uvm; IPC sockets).
+    "compat32/<one of those>" (its 32-bit libraries), "mig-config", "mig-monitor"; key
+    "" holds what every container using the vendor gets (/dev/nvidiactl, firmware).
     """
 
     vendor: str  # "nvidia", "neuron"

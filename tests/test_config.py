@@ -32,6 +32,7 @@ cdi_passthrough = true
 [discovery]
 cdi_spec_dirs = ["/etc/cdi"]
 refresh_interval = 0
+create_device_nodes = true
 [health]
 enabled = false
 ignored_xids = [48, 63]
@@ -50,6 +51,7 @@ env = ["ACME=1"]
     assert (cfg.nri.socket, cfg.nri.idx) == ("/run/x.sock", "07")
     assert cfg.devices.cdi_passthrough is True
     assert cfg.discovery.refresh_interval == 0.0
+    assert cfg.discovery.create_device_nodes is True
     assert cfg.health == HealthConfig(False, frozenset({48, 63}), 5.0)
     assert cfg.log.level == "debug"
     assert cfg.static_devices[0].device_nodes == ("/dev/npu0",)
@@ -68,6 +70,8 @@ env = ["ACME=1"]
         ({"devices": {"hook_path": "../hook"}}, "devices.hook_path"),
         ({"discovery": {"refresh_interval": -1}}, "must be >= 0"),
         ({"discovery": {"cdi_spec_dirs": ["cdi"]}}, "must be absolute"),
+        ({"discovery": {"create_device_nodes": 1}},
+         "discovery.create_device_nodes: expected a boolean"),
         ({"health": {"ignored_xids": [79, "48"]}}, "health.ignored_xids: expected an array"),
         ({"health": {"ignored_xids": [0]}}, "health.ignored_xids: expected an array"),
         ({"health": {"recheck_interval": 0}}, "health.recheck_interval: must be > 0"),

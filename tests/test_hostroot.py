@@ -67,3 +67,62 @@ def test_resolve_follows_every_link_inside_the_root_and_keeps_missing_parts(tmp_
     assert r.resolve("/usr/lib/missing.so") == "/usr/lib/missing.so"
     with pytest.raises(ValueError, match="absolute"):
         r.resolve("opt/k")
+
+
+# ---- writes (discovery creating device nodes the driver left uncreated) -----------------
+
+
+def test_makedirs_mknod_and_symlink_inside_the_root(tmp_path) -> None:
+    (tmp_path / "dev").mkdir(mode=0o755)
+    r = HostRoot.at(tmp_path)
+    r.makedirs("/dev/nvidia-caps", 0o755)
+    r.mknod_char("/dev/nvidia-caps/nvidia-cap21", 236, 21, 0o444)
+    r.makedirs("/dev/char", 0o755)
+    r.symlink("/dev/char/236:21", "../nvidia-caps/nvidia-cap21")
+    st = os.lstat(tmp_path / "dev/nvidia-caps/nvidia-cap21")
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(236, 21)
+    assert stat.S_IMODE(st.st_mode) == 0o444
+    assert stat.S_IMODE(os.lstat(tmp_path / "dev/nvidia-caps").st_mode) == 0o755
+    assert os.readlink(tmp_path / "dev/char/236:21") == "../nvidia-caps/nvidia-cap21"
+    r.makedirs("/dev/nvidia-caps", 0o755)  # exists: fine
+
+
+def test_exact_mode_whatever_the_umask(tmp_path) -> None:
+    (tmp_path / "dev").mkdir(mode=0o755)
+    old = os.umask(0o077)
+    try:
+        HostRoot.at(tmp_path).mknod_char("/dev/x", 1, 3, 0o666)
+        HostRoot.at(tmp_path).makedirs("/dev/d", 0o755)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.lstat(tmp_path / "dev/x").st_mode) == 0o666
+    assert stat.S_IMODE(os.lstat(tmp_path / "dev/d").st_mode) == 0o755
+
+
+def test_existing_entries_are_never_replaced(tmp_path) -> None:
+    (tmp_path / "dev").mkdir(mode=0o755)
+    (tmp_path / "dev" / "x").write_text("keep")
+    r = HostRoot.at(tmp_path)
+    with pytest.raises(FileExistsError):
+        r.mknod_char("/dev/x", 1, 3, 0o666)
+    with pytest.raises(FileExistsError):
+        r.symlink("/dev/x", "y")
+    assert (tmp_path / "dev" / "x").read_text() == "keep"
+    with pytest.raises(NotADirectoryError):
+        r.makedirs("/dev/x/y")
+
+
+def test_writes_refuse_a_symlinked_or_shared_directory(tmp_path) -> None:
+    (tmp_path / "dev").mkdir(mode=0o755)
+    (tmp_path / "elsewhere").mkdir(mode=0o755)
+    os.symlink("/elsewhere", tmp_path / "dev" / "nvidia-caps")
+    r = HostRoot.at(tmp_path)
+    with pytest.raises(NotADirectoryError):
+        r.mknod_char("/dev/nvidia-caps/nvidia-cap1", 236, 1, 0o444)
+    with pytest.raises(NotADirectoryError):
+        r.makedirs("/dev/nvidia-caps/sub")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    (tmp_path / "tmp").mkdir()
+    os.chmod(tmp_path / "tmp", 0o1777)  # others could swap the entry before its chmod
+    with pytest.raises(PermissionError, match="writable by others"):
+        r.mknod_char("/tmp/x", 1, 3, 0o666)

@@ -1,10 +1,12 @@
-"""HostRoot: the one seam through which every host path is read.
+"""HostRoot: the one seam through which every host path is read (or, rarely, written).
 
 Owns: mapping host-absolute paths ("/dev/nvidiactl", "/sys/bus/pci/...",
 "/usr/lib/x86_64-linux-gnu/libcuda.so.1") to where they can be read from this
-process, and chroot-style path resolution that never leaves a root (walk_in_root, also
-used by ldcache; HostRoot.resolve, where a CDI bind mount's source leads). Imports only
-the standard library.
+process, chroot-style path resolution that never leaves a root (walk_in_root, also
+used by ldcache; HostRoot.resolve, where a CDI bind mount's source leads), and the few
+writes discovery may make to the host (makedirs(), mknod_char(), symlink(): a family
+creating device nodes the driver left uncreated, only where the configuration allows
+it). Imports only the standard library.
 
 A daemon on the node uses HostRoot("/"); a DaemonSet that mounts the host at /host
 uses HostRoot("/host"); tests point it at a temporary tree. Paths that nri-accel
@@ -135,3 +137,54 @@ class HostRoot:
             return sorted(os.listdir(self.local(host_path)))
         except OSError:
             return []
+
+    # ---- writes: discovery/refresh only, never on a CreateContainer -------------------
+    #
+    # Each creates one entry in a directory that must be a real directory (never a
+    # symlink) writable by its owner alone, so nobody but that owner (root, for /dev) can
+    # swap the new entry between its creation and its chmod. An existing entry is never
+    # replaced: FileExistsError.
+
+    def makedirs(self, host_path: str, mode: int = 0o755) -> None:
+        """Create the directory `host_path` and its missing parents with `mode` (exact,
+        whatever the umask). An existing component must be a real directory."""
+        parts = PurePosixPath(host_path).parts[1:]
+        for i in range(1, len(parts) + 1):
+            path = "/" + "/".join(parts[:i])
+            try:
+                st = self.lstat(path)
+            except FileNotFoundError:
+                local = self._new_entry(path)
+                try:
+                    os.mkdir(local, mode)
+                except FileExistsError:
+                    pass  # created meanwhile: checked below
+                else:
+                    os.chmod(local, mode)
+                st = self.lstat(path)
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory (or a symlink)",
+                                         path)
+
+    def mknod_char(self, host_path: str, major: int, minor: int, mode: int) -> None:
+        """Create the character device node `host_path` (major:minor, permissions `mode`
+        exactly). FileExistsError if anything is there already."""
+        local = self._new_entry(host_path)
+        os.mknod(local, stat.S_IFCHR | mode, os.makedev(major, minor))
+        os.chmod(local, mode)
+
+    def symlink(self, host_path: str, target: str) -> None:
+        """Create the symbolic link `host_path` -> `target` (as written: a relative
+        target stays relative). FileExistsError if anything is there already."""
+        os.symlink(target, self._new_entry(host_path))
+
+    def _new_entry(self, host_path: str) -> str:
+        """Where to create `host_path`, after checking its parent directory."""
+        parent = str(PurePosixPath(host_path).parent)
+        st = self.lstat(parent)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory (or a symlink)", parent)
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise PermissionError(errno.EPERM, "directory writable by others than its "
+                                  "owner", parent)
+        return self.local(host_path)

@@ -56,7 +56,10 @@ def watch_state(root: HostRoot, config: Config) -> State:
 
 
 def nodes_match(root: HostRoot, inventory: Inventory) -> bool:
-    """Whether every device node the Inventory grants is still that node on the host."""
+    """Whether every device node the Inventory grants is still that node on the host. A
+    node the host lacked at discovery (one a family grants anyway, a Problem naming its
+    path) matches while it is still missing."""
+    absent = {p.source for p in inventory.problems}
     nodes: dict[str, DeviceNode] = {}
     for device in inventory.devices:
         for n in device.edits.device_nodes:
@@ -69,7 +72,9 @@ def nodes_match(root: HostRoot, inventory: Inventory) -> bool:
     for path, n in nodes.items():
         try:
             kind, st = lstat_device(root, path)
-        except DiscoveryError:  # gone, a symlink now, or no longer a device
+        except DiscoveryError as e:  # gone, a symlink now, or no longer a device
+            if path in absent and isinstance(e.__cause__, FileNotFoundError):
+                continue
             return False
         if (kind, os.major(st.st_rdev), os.minor(st.st_rdev)) != (n.type, n.major, n.minor):
             return False

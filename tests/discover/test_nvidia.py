@@ -155,10 +155,21 @@ def test_a100_other_capabilities(a100: Found) -> None:
     assert "/usr/bin/nvidia-cuda-mps-control" not in video
     assert mounts(drv, "ngx") == {f"{LIB}/libnvidia-ngx.so.1":
                                   f"{X86}/libnvidia-ngx.so.550.54.15"}
-    compat32 = mounts(drv, "compat32")
-    assert compat32["/usr/local/nvidia/lib/libcuda.so.1"] == \
+    # 32-bit builds per capability: compat32 adds those of the others requested
+    assert "compat32" not in drv.capabilities
+    compute32 = mounts(drv, "compat32/compute")
+    assert compute32["/usr/local/nvidia/lib/libcuda.so.1"] == \
         "/usr/lib/i386-linux-gnu/libcuda.so.550.54.15"
-    assert all(k.startswith("/usr/local/nvidia/lib/") for k in compat32)
+    video32, graphics32 = mounts(drv, "compat32/video"), mounts(drv, "compat32/graphics")
+    assert compute32.items() <= video32.items()  # video selects the compute libraries too
+    assert "/usr/local/nvidia/lib/libnvcuvid.so.1" in video32
+    assert "/usr/local/nvidia/lib/libGLX_nvidia.so.0" in graphics32
+    assert not compute32.keys() & graphics32.keys()
+    assert mounts(drv, "compat32/display") == graphics32
+    # the fake NVML replaced the 32-bit libnvidia-ml too, and is 64-bit: no 32-bit utility
+    assert "compat32/utility" not in drv.capabilities
+    assert all(k.startswith("/usr/local/nvidia/lib/") for cap in drv.capabilities
+               if cap.startswith("compat32/") for k in mounts(drv, cap))
     assert nodes(drv, "mig-config") == [("/dev/nvidia-caps/nvidia-cap1", 236, 1)]
     assert nodes(drv, "mig-monitor") == [("/dev/nvidia-caps/nvidia-cap2", 236, 2)]
 
@@ -210,7 +221,7 @@ def test_h100_driver_root(fake_root: FakeRoot) -> None:
     assert mounts(drv, "utility")["/run/nvidia-persistenced/socket"] == \
         f"{dr}/run/nvidia-persistenced/socket"
     assert nodes(drv, "display") == []  # headless: no nvidia-modeset
-    assert "compat32" not in drv.capabilities
+    assert not [c for c in drv.capabilities if c.startswith("compat32")]
 
 
 # ---- absent or failing NVML ------------------------------------------------------------

@@ -141,8 +141,9 @@ def request(*, grants: tuple[DeviceClaim, ...] = (), limits: tuple[DeviceClaim, 
             requirements: Requirements | None = None, mig_config: bool = False,
             mig_monitor: bool = False, cdi_names: tuple[str, ...] = ()) -> Request:
     """The Request the policy would hand on, its NVIDIA settings given by keyword."""
-    options = Options(capabilities=capabilities or DEFAULT_CAPABILITIES,
-                      capabilities_source="test" if capabilities else "",
+    options = Options(capabilities=DEFAULT_CAPABILITIES if capabilities is None
+                      else capabilities,
+                      capabilities_source="" if capabilities is None else "test",
                       requirements=requirements, mig_config=mig_config,
                       mig_monitor=mig_monitor)
     return Request(grants=grants, limits=limits,

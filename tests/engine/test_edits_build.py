@@ -97,6 +97,71 @@ def test_capabilities_all_and_missing_ones():
     assert f"{LIB64}/libcuda.so.1" not in {m.container_path for m in edits.mounts}
 
 
+# compat32 adds the 32-bit builds of exactly the libraries the other requested
+# capabilities select, and nothing alone: NVIDIA/libnvidia-container src/nvc_mount.c
+# (mount_files filters libs and libs32 alike through match_library_flags), src/nvc_info.c
+# (match_library_flags: the library lists per OPT_*_LIBS flag) and src/nvc.c
+# (container_opts: video = VIDEO_LIBS|COMPUTE_LIBS, display = DISPLAY|GRAPHICS_LIBS).
+C32_COMPUTE = {"libcuda.so.1", "libnvidia-gpucomp.so.550.54.15", "libnvidia-nvvm.so.4",
+               "libnvidia-opencl.so.1", "libnvidia-ptxjitcompiler.so.1"}
+C32_VIDEO = {"libnvcuvid.so.1", "libnvidia-encode.so.1", "libnvidia-opticalflow.so.1"}
+C32_GRAPHICS = {"libEGL_nvidia.so.0", "libGLESv1_CM_nvidia.so.1", "libGLESv2_nvidia.so.2",
+                "libGLX_nvidia.so.0", "libnvidia-eglcore.so.550.54.15", "libnvidia-fbc.so.1",
+                "libnvidia-glcore.so.550.54.15", "libnvidia-glsi.so.550.54.15",
+                "libnvidia-glvkspirv.so.550.54.15", "libnvidia-tls.so.550.54.15"}
+LIB32 = "/usr/local/nvidia/lib"
+
+
+@pytest.mark.parametrize(("caps", "libs32", "given"), [
+    ({"compat32"}, set(), "compat32"),
+    ({"compute"}, set(), "compute"),
+    ({"compute", "compat32"}, C32_COMPUTE, "compat32,compute"),
+    ({"utility", "compute", "compat32"}, C32_COMPUTE, "compat32,compute,utility"),
+    ({"video", "compat32"}, C32_COMPUTE | C32_VIDEO, "compat32,video"),
+    ({"graphics", "compat32"}, C32_GRAPHICS, "compat32,graphics"),
+    ({"display", "compat32"}, C32_GRAPHICS, "compat32,display"),
+    ({"utility", "compat32"}, set(), "compat32,utility"),  # no 32-bit utility library here
+    ({"ngx", "compat32"}, set(), "compat32,ngx"),
+    (ALL_CAPABILITIES, C32_COMPUTE | C32_VIDEO | C32_GRAPHICS,
+     "compat32,compute,display,graphics,ngx,utility,video"),
+])
+def test_compat32_adds_the_32_bit_libraries_of_the_other_capabilities(caps, libs32, given):
+    edits, notes = edits_for(demo_inventory(), gpu_ids("0", capabilities=frozenset(caps)))
+    mounted32 = {m.container_path.rpartition("/")[2] for m in edits.mounts
+                 if m.container_path.startswith(LIB32 + "/")}
+    assert mounted32 == libs32
+    env = env_of(edits)
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == given
+    libs64 = any(m.container_path.startswith(LIB64 + "/") for m in edits.mounts)
+    assert env.get("LD_LIBRARY_PATH", "") == ":".join(
+        [LIB64] * libs64 + [LIB32] * bool(libs32))
+    assert ("compat32 adds the 32-bit builds of the libraries the other capabilities "
+            "requested select: none requested" in notes) is (caps == {"compat32"})
+
+
+def test_compat32_on_a_node_without_32_bit_libraries():
+    inv = demo_inventory()
+    drv = inv.driver("nvidia")
+    no32 = dataclasses.replace(drv, capabilities=MappingProxyType(
+        {k: v for k, v in drv.capabilities.items() if not k.startswith("compat32")}))
+    inv = Inventory(devices=inv.devices, drivers=MappingProxyType({"nvidia": no32}))
+    edits, notes = edits_for(inv, gpu_ids("0", capabilities=frozenset({"compute", "compat32"})))
+    assert env_of(edits)["NVIDIA_DRIVER_CAPABILITIES"] == "compute"
+    assert notes == ("driver capabilities with no files on this node: compat32",)
+
+
+def test_no_capability_at_all_gets_only_the_shared_driver_files():
+    # NVIDIA_DRIVER_CAPABILITIES="," (or blanks): no library, binary or IPC path; the
+    # control node and firmware every NVIDIA container gets; the variable left as it is.
+    edits, notes = edits_for(demo_inventory(), gpu_ids("0", capabilities=frozenset()))
+    assert [n.path for n in edits.device_nodes] == ["/dev/nvidia0", "/dev/nvidiactl"]
+    assert {m.container_path for m in edits.mounts} == {
+        "/lib/firmware/nvidia/550.54.15/gsp_ga10x.bin",
+        "/lib/firmware/nvidia/550.54.15/gsp_tu10x.bin"}
+    assert env_of(edits) == {"NVIDIA_VISIBLE_DEVICES": GPU_UUIDS["0"]}
+    assert notes == ("no driver capabilities requested: only the driver's shared files",)
+
+
 @pytest.mark.parametrize("caps", [{"graphics"}, {"video"}, {"utility"}, {"compute"}])
 def test_gsp_firmware_comes_with_every_capability(caps):
     # As libnvidia-container mounts it: the kernel loads it where the GPU is first opened.

@@ -15,10 +15,12 @@ LEGACY = "CUDA_VERSION=9.0.176"  # a CUDA image older than NVIDIA_REQUIRE_CUDA
 LEGACY_SOURCE = "env NVIDIA_VISIBLE_DEVICES (unset in a legacy CUDA image)"
 
 
-# internal/config/image cuda_image.go devicesFromEnvvars + devices.go NewVisibleDevices:
+# NVIDIA/nvidia-container-toolkit internal/config/image/cuda_image.go devicesFromEnvvars
+# and devices.go NewVisibleDevices ("The order of precedence for the special values is
+# void > none > all"; other ids beside a special value are ignored), with the rows of
+# cmd/nvidia-container-runtime-hook/container_config_test.go TestGetNvidiaConfig:
 # comma split, blanks trimmed, empty tokens skipped; empty/unset/void -> nothing;
-# none -> driver only; all -> every GPU; precedence void > none > all; unset in a
-# legacy image -> all.
+# none -> driver only; all -> every GPU; unset in a legacy image -> all.
 VISIBLE = [
     (["NVIDIA_VISIBLE_DEVICES=all"], [(GPU, (), None, True, VIS)], False),
     (["NVIDIA_VISIBLE_DEVICES=none"], [], True),
@@ -40,6 +42,21 @@ VISIBLE = [
     (["NVIDIA_VISIBLE_DEVICES=all,none"], [], True),
     (["NVIDIA_VISIBLE_DEVICES=none,void"], [], False),
     (["NVIDIA_VISIBLE_DEVICES=1,all"], [(GPU, (), None, True, VIS)], False),
+    # every order of the special values: void > none > all
+    (["NVIDIA_VISIBLE_DEVICES=void,all"], [], False),
+    (["NVIDIA_VISIBLE_DEVICES=all,void"], [], False),
+    (["NVIDIA_VISIBLE_DEVICES=void,none"], [], False),
+    (["NVIDIA_VISIBLE_DEVICES=none,all"], [], True),
+    (["NVIDIA_VISIBLE_DEVICES=all,none,void"], [], False),
+    (["NVIDIA_VISIBLE_DEVICES=void,none,all"], [], False),
+    (["NVIDIA_VISIBLE_DEVICES= all , none "], [], True),
+    (["NVIDIA_VISIBLE_DEVICES=0,all,1"], [(GPU, (), None, True, VIS)], False),
+    ([f"NVIDIA_VISIBLE_DEVICES={UUID0},none,all"], [], True),
+    (["NVIDIA_VISIBLE_DEVICES=,void,"], [], False),
+    (["NVIDIA_VISIBLE_DEVICES=VOID"], [(GPU, ("VOID",), None, False, VIS)], False),  # exact
+    (["NVIDIA_VISIBLE_DEVICES=None"], [(GPU, ("None",), None, False, VIS)], False),
+    ([LEGACY, "NVIDIA_VISIBLE_DEVICES=none"], [], True),
+    ([LEGACY, "NVIDIA_VISIBLE_DEVICES=all,void"], [], False),
     (["NVIDIA_VISIBLE_DEVICES=ALL"], [(GPU, ("ALL",), None, False, VIS)], False),  # exact
     (["NVIDIA_VISIBLE_DEVICES=0-3"], [(GPU, ("0-3",), None, False, VIS)], False),  # no ranges
     (["NVIDIA_VISIBLE_DEVICES=nvidia.com/gpu=1"], [(GPU, ("1",), None, False, VIS)], False),
@@ -80,6 +97,56 @@ def test_nv_gpu_alias(env: list[str], expected: list[tuple[object, ...]]) -> Non
     assert claims(parse(env=env)) == expected
 
 
+# Fully qualified CDI names (NVIDIA/nvidia-container-toolkit's CDI mode:
+# internal/modifier/cdi.go hands them to
+# CDI, which injects their union) and the just-in-time CDI kind runtime.nvidia.com/gpu
+# (internal/modifier/cdi.go automaticDeviceKind; its ids are those pkg/nvcdi/lib-nvml.go
+# GetDeviceSpecsBy takes: "all", a GPU index, a MIG index, a GPU or MIG UUID, as in
+# pkg/nvcdi/identifier_test.go), mapped onto this node's nvidia.com/gpu ids.
+JIT_UUID = "GPU-ebd34bdf-1083-eaac-2aff-4b71a022f9bd"
+JIT_MIG = "MIG-ebd34bdf-1083-eaac-2aff-4b71a022f9bd"
+ALL = [(GPU, (), None, True, VIS)]
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("nvidia.com/gpu=all", ALL),
+    ("nvidia.com/gpu=0,nvidia.com/gpu=GPU-x", [(GPU, ("0", "GPU-x"), None, False, VIS)]),
+    ("nvidia.com/gpu=all,nvidia.com/gpu=1", ALL),  # the union of all and 1
+    ("1,nvidia.com/gpu=all", ALL),
+    ("example.com/class=device,0", [("example.com/class", ("device",), None, False, VIS),
+                                    (GPU, ("0",), None, False, VIS)]),
+    ("runtime.nvidia.com/gpu=all", ALL),
+    ("runtime.nvidia.com/gpu=0", [(GPU, ("0",), None, False, VIS)]),
+    ("runtime.nvidia.com/gpu=01", [(GPU, ("1",), None, False, VIS)]),  # NVML index 1
+    ("runtime.nvidia.com/gpu=0:1", [(GPU, ("0:1",), None, False, VIS)]),
+    (f"runtime.nvidia.com/gpu={JIT_UUID}", [(GPU, (JIT_UUID,), None, False, VIS)]),
+    (f"runtime.nvidia.com/gpu={JIT_MIG}", [(GPU, (JIT_MIG,), None, False, VIS)]),
+    (f"runtime.nvidia.com/gpu=MIG-{JIT_UUID}/3/0",
+     [(GPU, (f"MIG-{JIT_UUID}/3/0",), None, False, VIS)]),
+    ("runtime.nvidia.com/gpu=0,runtime.nvidia.com/gpu=1:0",
+     [(GPU, ("0", "1:0"), None, False, VIS)]),
+    ("2,runtime.nvidia.com/gpu=0,nvidia.com/gpu=1", [(GPU, ("2", "0", "1"), None, False, VIS)]),
+    ("runtime.nvidia.com/gpu=1,runtime.nvidia.com/gpu=all", ALL),
+    ("runtime.nvidia.com/gpu=0,none", []),  # the special values still win
+])
+def test_cdi_names_in_nvidia_visible_devices(value: str,
+                                             expected: list[tuple[object, ...]]) -> None:
+    assert claims(parse(env=[f"NVIDIA_VISIBLE_DEVICES={value}"])) == expected
+
+
+@pytest.mark.parametrize("ident", [
+    "0000:07:00.0",  # a PCI bus id: nri-accel's plain syntax takes it, jit-CDI does not
+    "mode=gds", "none", "void", "GPU-foo", "MIG-foo", "0:0:0", "0:foo", "foo:0", "",
+    "ebd34bdf-1083-eaac-2aff-4b71a022f9bd", "gpu0", "99999999999",
+])
+def test_jit_cdi_ids_nvidia_would_not_generate_are_refused(ident: str) -> None:
+    with pytest.raises(RequestError) as err:
+        parse(env=[f"NVIDIA_VISIBLE_DEVICES=0,runtime.nvidia.com/gpu={ident}"])
+    assert err.value.source == VIS
+    assert "runtime.nvidia.com/gpu takes what the NVIDIA Container Toolkit's just-in-time " \
+        "CDI mode accepts" in err.value.message
+
+
 @pytest.mark.parametrize(("value", "message"), [
     ("../../dev/nvidia0", "invalid device id '../../dev/nvidia0'"),
     ("0,/proc/1/root", "invalid device id '/proc/1/root'"),
@@ -93,13 +160,28 @@ def test_nvidia_visible_devices_rejects(value: str, message: str) -> None:
     assert message in err.value.message
 
 
-# NVIDIA_DRIVER_CAPABILITIES (cmd/nvidia-container-runtime-hook getDriverCapabilities):
-# empty or unset -> utility,compute; unset in a legacy image -> all; all -> every one;
-# blanks and empty tokens ignored; unsupported names fail the container.
+# NVIDIA_DRIVER_CAPABILITIES: NVIDIA/nvidia-container-toolkit
+# cmd/nvidia-container-runtime-hook getDriverCapabilities (unset -> utility,compute, or
+# every capability in a legacy image; set and non-empty -> its own value, even when that
+# holds no name) and internal/config/image NewDriverCapabilities with its
+# capabilities_test.go TestDriverCapabilitiesList ("", "  ", "," -> no capability;
+# ",cap", "cap,", "cap0,,cap1" -> the names), and the hook's container_config_test.go
+# rows "capabilities 'empty'" (-> the default, in legacy and modern images alike).
+# Unsupported names fail the container (the hook's "unsupported capabilities found").
+NOCAPS: frozenset[str] = frozenset()
+
+
 @pytest.mark.parametrize(("env", "caps", "source"), [
     ([], DEFAULT_CAPABILITIES, ""),
     (["NVIDIA_DRIVER_CAPABILITIES="], DEFAULT_CAPABILITIES, "env NVIDIA_DRIVER_CAPABILITIES"),
-    (["NVIDIA_DRIVER_CAPABILITIES=,"], DEFAULT_CAPABILITIES, "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES=,"], NOCAPS, "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES=  "], NOCAPS, "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES= , ,"], NOCAPS, "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES=,compute"], {"compute"}, "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES=compute,"], {"compute"}, "env NVIDIA_DRIVER_CAPABILITIES"),
+    (["NVIDIA_DRIVER_CAPABILITIES=compute,,utility"], {"compute", "utility"},
+     "env NVIDIA_DRIVER_CAPABILITIES"),
+    ([LEGACY, "NVIDIA_DRIVER_CAPABILITIES=,"], NOCAPS, "env NVIDIA_DRIVER_CAPABILITIES"),
     (["NVIDIA_DRIVER_CAPABILITIES=all"], ALL_CAPABILITIES, "env NVIDIA_DRIVER_CAPABILITIES"),
     (["NVIDIA_DRIVER_CAPABILITIES=compute,all"], ALL_CAPABILITIES,
      "env NVIDIA_DRIVER_CAPABILITIES"),

@@ -159,6 +159,82 @@ def test_legacy_cuda_version_invalid(version: str) -> None:
     assert err.value.source == "env CUDA_VERSION"
 
 
+# NVIDIA/nvidia-container-toolkit internal/config/image/cuda_image_test.go,
+# TestParseMajorMinorVersionValid and TestParseMajorMinorVersionInvalid, every row:
+# semver (golang.org/x/mod/semver), major and minor unsigned 32-bit.
+@pytest.mark.parametrize(("version", "required"), [
+    ("0", "cuda>=0.0"),
+    ("8", "cuda>=8.0"),
+    ("7.5", "cuda>=7.5"),
+    ("9.0.116", "cuda>=9.0"),
+    ("4294967295.4294967295.4294967295", "cuda>=4294967295.4294967295"),
+    ("v11.6", "cuda>=11.6"),
+    # beyond the table: the patch is not limited (only major and minor are parsed), and
+    # semver's pre-release and build syntax
+    ("9.0.4294967296", "cuda>=9.0"),
+    ("12.4.1-rc.1+build.7", "cuda>=12.4"),
+    ("12.4.1-0.alpha", "cuda>=12.4"),
+])
+def test_cuda_version_upstream_valid(version: str, required: str) -> None:
+    reqs = requirements_from_env({"CUDA_VERSION": version})
+    assert reqs is not None
+    assert [(r.source, r.text) for r in reqs.items] == [("env CUDA_VERSION", required)]
+
+
+@pytest.mark.parametrize("version", [
+    "foo", "foo.5.10", "9.0.116.50", "9.0.116foo", "7.foo", "9.0.bar", "9.4294967296",
+    "9.0.116.", "9..0", "9.", ".5.10", "-9", "+9", "-9.1.116", "-9.-1.-116",
+    # beyond the table
+    "4294967296", "4294967296.0", "99999999999999999999999.1", "12.4.1-01", "12.4.1-rc..1",
+    "12.4.1+", "12.4.1-",
+])
+def test_cuda_version_upstream_invalid(version: str) -> None:
+    with pytest.raises(RequestError, match="invalid CUDA version") as err:
+        requirements_from_env({"CUDA_VERSION": version})
+    assert err.value.source == "env CUDA_VERSION"
+
+
+@pytest.mark.parametrize(("version", "which"), [
+    ("4294967296", "major"), ("9.4294967296", "minor"), ("v4294967296.1.0", "major"),
+])
+def test_cuda_version_overflow_is_named(version: str, which: str) -> None:
+    with pytest.raises(RequestError) as err:
+        parse(env=[f"CUDA_VERSION={version}", "NVIDIA_VISIBLE_DEVICES=all"])
+    assert err.value.source == "env CUDA_VERSION"
+    assert err.value.message == (f"invalid CUDA version {version!r}: the {which} version "
+                                 "does not fit in 32 bits (at most 4294967295)")
+
+
+# The requirement language's version numbers: unsigned 32-bit, as the legacy cuda>=MAJOR.MINOR
+# derived from CUDA_VERSION (NVIDIA/libnvidia-container src/cli/dsl.c dsl_compare_version parses
+# them with strtoumax and fails only from UINTMAX_MAX on: nri-accel is stricter, see
+# nri_accel/vendors/nvidia/requirements.py).
+@pytest.mark.parametrize(("text", "ok"), [
+    ("cuda>=4294967295", True),
+    ("driver>=550.4294967295.0", True),
+    ("arch>=00004294967295", True),  # leading zeros: the value fits
+    ("cuda>=4294967296", False),
+    ("driver>=550.4294967296", False),
+    ("arch>=8.0 cuda>=18446744073709551616", False),  # checked in every alternative
+    ("cuda>=1" + "0" * 200, False),
+])
+def test_requirement_versions_are_32_bit(text: str, ok: bool) -> None:
+    if ok:
+        parse_requirement(SRC, text)
+        return
+    with pytest.raises(RequestError, match="does not fit in 32 bits") as err:
+        parse_requirement(SRC, text)
+    assert err.value.source == SRC
+
+
+def test_requirement_overflow_names_the_variable_in_a_request() -> None:
+    with pytest.raises(RequestError) as err:
+        parse(env=["NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_REQUIRE_DRIVER=driver>=4294967296"])
+    assert err.value.source == "env NVIDIA_REQUIRE_DRIVER"
+    assert err.value.message == ("invalid constraint 'driver>=4294967296': version number "
+                                 "4294967296 does not fit in 32 bits (at most 4294967295)")
+
+
 def test_not_legacy_when_require_cuda_is_set() -> None:
     reqs = requirements_from_env({"CUDA_VERSION": "12.4.1", "NVIDIA_REQUIRE_CUDA": "cuda>=12.4"})
     assert reqs is not None

@@ -14,14 +14,22 @@ libnvidia-container:
 
 - NVIDIA_VISIBLE_DEVICES: comma-separated, blanks trimmed, empty tokens skipped; void
   (or empty, or unset) means no GPU and no driver, none means the driver without a GPU,
-  all means every GPU, with void > none > all when mixed; otherwise indices, GPU-/MIG-
-  UUIDs, PCI bus ids, "gpu:mig" pairs, or CDI qualified names (as the toolkit accepts in
-  CDI mode). Unset in a legacy image (CUDA_VERSION without NVIDIA_REQUIRE_CUDA) means all.
-  NV_GPU (nvidia-docker 2: ids separated by blanks or commas) is read when
-  NVIDIA_VISIBLE_DEVICES is unset.
+  all means every GPU, and when they are mixed void > none > all, whatever their order,
+  other ids beside them ignored (devices.go NewVisibleDevices); otherwise indices, GPU-/
+  MIG- UUIDs, PCI bus ids, "gpu:mig" pairs, or CDI qualified names (as the toolkit
+  accepts in CDI mode, "<kind>=all" beside ids of that kind being all of them), among
+  them runtime.nvidia.com/gpu=<id>, the toolkit's just-in-time CDI devices, mapped onto
+  this node's GPUs and MIG devices for exactly the ids jit-CDI generates a device for
+  (all, GPU index, MIG index, GPU-/MIG- UUID). Unset in a legacy image (CUDA_VERSION
+  without NVIDIA_REQUIRE_CUDA) means all. NV_GPU (nvidia-docker 2: ids separated by
+  blanks or commas) is read when NVIDIA_VISIBLE_DEVICES is unset.
 - NVIDIA_DRIVER_CAPABILITIES (or the capabilities.nri-accel.io annotation, which wins):
-  comma-separated capabilities; empty means utility,compute; all means every one;
-  unknown names are refused. Unset in a legacy image means all.
+  comma-separated capabilities; unset or empty means utility,compute; a value of only
+  blanks and commas means no capability (the toolkit's hook takes any non-empty value
+  as the list); all means every one; unknown names are refused. Unset in a legacy image
+  means all. compat32 adds the 32-bit builds of the libraries the other capabilities
+  requested select (libnvidia-container filters libs32 as it filters libs), nothing
+  alone.
 - NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES: "" asks nothing, "all" asks for
   the capability, anything else is refused (migCapsDevices.Validate). Only a source that
   may grant devices may ask them (the toolkit: a privileged container).
@@ -33,11 +41,12 @@ monitor capabilities, which in turn are refused beside specific MIG devices; eve
 granted GPU or MIG device (a MIG device has its parent's arch and brand) must satisfy
 NVIDIA_REQUIRE_*, and with NVIDIA_VISIBLE_DEVICES=none the driver facts alone are checked.
 
-Edits: the driver's "" files, the files of each requested capability the driver has
-(64-bit before compat32, so LD_LIBRARY_PATH lists lib64 first), mig-config/mig-monitor
-when asked, NVIDIA_VISIBLE_DEVICES rewritten to the UUIDs injected ("none" for the
-driver alone, "void" when the image asked and nothing was granted) and
-NVIDIA_DRIVER_CAPABILITIES to the capabilities given.
+Edits: the driver's "" files, the files of each requested capability the driver has,
+with compat32 then each of their "compat32/<capability>" 32-bit builds (64-bit first, so
+LD_LIBRARY_PATH lists lib64 first), mig-config/mig-monitor when asked,
+NVIDIA_VISIBLE_DEVICES rewritten to the UUIDs injected ("none" for the driver alone,
+"void" when the image asked and nothing was granted) and NVIDIA_DRIVER_CAPABILITIES to
+the capabilities given (left as it is when none is).
 
 Device plugin: nvidia.com/gpu for whole GPUs not in MIG mode, nvidia.com/mig-<profile>
 for MIG devices (nvidia.com/mig-1g.10gb.me for the media-extension profile 1g.10gb+me).
@@ -92,13 +101,25 @@ CAPABILITIES_KEY = "capabilities.nri-accel.io"
 ALL_CAPABILITIES = frozenset(
     {"compute", "compat32", "graphics", "utility", "video", "display", "ngx"})
 DEFAULT_CAPABILITIES = frozenset({"utility", "compute"})
-CAPABILITY_ORDER = ("utility", "compute", "video", "graphics", "display", "ngx", "compat32")
+CAPABILITY_ORDER = ("utility", "compute", "video", "graphics", "display", "ngx")
+COMPAT32 = "compat32"
+# The Driver capability holding the 32-bit builds of one capability's libraries:
+# "compat32/compute" (discovery writes one per capability on nodes with a 32-bit ABI).
+COMPAT32_PREFIX = COMPAT32 + "/"
 MIG_CONFIG = "mig-config"  # Driver capabilities that are not driver capabilities of a
 MIG_MONITOR = "mig-monitor"  # request: the MIG management nodes
 NOT_CAPABILITIES = frozenset({BASE, MIG_CONFIG, MIG_MONITOR})
 
 # The one id with '/': R450-era MIG UUIDs, MIG-GPU-<gpu uuid>/<gi>/<ci>.
 LEGACY_MIG_RE = re.compile(r"MIG-GPU-[0-9A-Fa-f-]{36}/[0-9]{1,3}/[0-9]{1,3}")
+# The CDI kind of nvidia-container-toolkit's just-in-time CDI mode (internal/modifier/
+# cdi.go automaticDeviceKind): a spec is generated for the ids named, which are what
+# pkg/nvcdi GetDeviceSpecsBy takes (go-nvlib device.Identifier): all, a GPU index, a MIG
+# index "<gpu>:<mig>", a GPU UUID, a MIG UUID (either form).
+KIND_JIT = "runtime.nvidia.com/gpu"
+_UUID = r"[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}"
+_JIT_UUID_RE = re.compile(rf"GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]+/[0-9]+")
+_JIT_INDEX_RE = re.compile(r"([0-9]{1,10})(?::([0-9]{1,10}))?")
 _MAX_LISTED = 16
 
 
@@ -150,7 +171,8 @@ class NvidiaProfile(Profile):
     def discover(self, root: HostRoot, config: Config) -> Found:
         from nri_accel.vendors.nvidia.discover import discover_nvidia
 
-        return discover_nvidia(root)
+        return discover_nvidia(
+            root, create_device_nodes=config.discovery.create_device_nodes)
 
     def probe(self, root: HostRoot, config: Config) -> list[tuple[str, Any]]:
         from nri_accel.vendors.nvidia.discover import probe
@@ -233,26 +255,44 @@ class NvidiaProfile(Profile):
             lib_dirs.update(dict.fromkeys(dirs))
 
         add(BASE)
-        caps: tuple[str, ...] = ()
+        given: list[str] = []  # the capabilities given, for NVIDIA_DRIVER_CAPABILITIES
         have = files.capabilities(VENDOR)
         if have:
             wanted = opts.capabilities - NOT_CAPABILITIES
-            missing = sorted(wanted - have)
+            others = sorted(wanted - {COMPAT32}, key=_capability_order)
+            missing = [c for c in others if c not in have]
+            given = [c for c in others if c in have]
+            if not wanted:
+                notes.append("no driver capabilities requested: only the driver's shared "
+                             "files")
+            if COMPAT32 in wanted:
+                if any(c.startswith(COMPAT32_PREFIX) for c in have):
+                    given.append(COMPAT32)
+                    if not others:
+                        notes.append("compat32 adds the 32-bit builds of the libraries the "
+                                     "other capabilities requested select: none requested")
+                else:
+                    missing.append(COMPAT32)
             if missing:
                 notes.append("driver capabilities with no files on this node: "
                              f"{', '.join(missing)}")
-            caps = tuple(sorted(wanted & have, key=_capability_order))
+            for cap in given:
+                if cap != COMPAT32:
+                    add(cap)
+            # 64-bit before 32-bit, so that LD_LIBRARY_PATH lists lib64 first
+            if COMPAT32 in given:
+                for cap in others:
+                    if COMPAT32_PREFIX + cap in have:
+                        add(COMPAT32_PREFIX + cap)
         else:
             notes.append("no NVIDIA driver files on this node: only device nodes and env")
-        for cap in caps:
-            add(cap)
         if opts.mig_config:
             add(MIG_CONFIG)
         if opts.mig_monitor:
             add(MIG_MONITOR)
         env = [(ENV_VISIBLE, ",".join(d.uuid or d.name for d in devices) or "none")]
-        if caps:
-            env.append((ENV_CAPABILITIES, ",".join(sorted(caps))))
+        if given:
+            env.append((ENV_CAPABILITIES, ",".join(sorted(given))))
         facts = (("capabilities", ",".join(sorted(opts.capabilities))),)
         return FamilyEdits(parts=tuple(parts), env=tuple(env), lib_dirs=tuple(lib_dirs),
                            notes=tuple(notes), facts=facts)
@@ -294,8 +334,8 @@ def _options(options: Hashable) -> Options:
 
 
 def _capability_order(cap: str) -> tuple[int, str]:
-    """The order capabilities' files are merged in: 64-bit before compat32, so that
-    LD_LIBRARY_PATH lists lib64 first."""
+    """The order capabilities' files are merged in (their 32-bit builds follow, in the
+    same order)."""
     return (CAPABILITY_ORDER.index(cap) if cap in CAPABILITY_ORDER else len(CAPABILITY_ORDER),
             cap)
 
@@ -325,25 +365,54 @@ def _visible_devices(env: Mapping[str, str]) -> EnvSource | None:
         return EnvSource(name, (), value, drivers_only=True)
     if "all" in tokens:
         return EnvSource(name, (DeviceClaim(KIND_GPU, all=True, source=name),), value)
-    acc = ClaimSet(name)
+    ids: list[tuple[str, str]] = []
     for token in tokens:
         kind, eq, ident = token.partition("=")
-        if eq:  # a CDI qualified name, as the toolkit accepts in CDI mode
-            acc.add_id(check_kind(kind, name), check_id(ident, name, LEGACY_MIG_RE))
-        else:
-            acc.add_id(KIND_GPU, check_id(token, name, LEGACY_MIG_RE))
+        if not eq:
+            ids.append((KIND_GPU, check_id(token, name, LEGACY_MIG_RE)))
+        elif kind == KIND_JIT:  # the toolkit's just-in-time CDI devices: this node's
+            ids.append((KIND_GPU, _jit_id(ident, token, name)))
+        else:  # a CDI qualified name, as the toolkit accepts in CDI mode
+            ids.append((check_kind(kind, name), check_id(ident, name, LEGACY_MIG_RE)))
+    # The toolkit hands every name to CDI, which injects their union: "<kind>=all" beside
+    # ids of the same kind is all of them.
+    alls = {kind for kind, ident in ids if ident == "all"}
+    acc = ClaimSet(name)
+    for kind, ident in ids:
+        if kind not in alls or ident == "all":
+            acc.add_id(kind, ident)
     return EnvSource(name, acc.claims(), value)
+
+
+def _jit_id(ident: str, token: str, source: str) -> str:
+    """The nvidia.com/gpu id of `runtime.nvidia.com/gpu=<ident>`: the ids the toolkit's
+    jit-CDI mode generates a device for (an index as NVML reads it: "01" is GPU 1), and
+    nothing else (no PCI bus id, no mode=...: refused, naming the variable)."""
+    if ident == "all" or _JIT_UUID_RE.fullmatch(ident):
+        return ident
+    m = _JIT_INDEX_RE.fullmatch(ident)
+    if m is not None:
+        gpu, mig = m.groups()
+        return str(int(gpu)) if mig is None else f"{int(gpu)}:{int(mig)}"
+    shown = token if len(token) <= 80 else token[:80] + "..."
+    raise RequestError(f"invalid device {shown!r}: {KIND_JIT} takes what the NVIDIA "
+                       "Container Toolkit's just-in-time CDI mode accepts: all, a GPU index "
+                       "(0), a MIG index (0:1), GPU-<uuid> or MIG-<uuid>", source=source)
 
 
 @lru_cache(maxsize=256)
 def parse_capabilities(value: str, source: str) -> tuple[frozenset[str], str]:
-    """Toolkit semantics (cmd/nvidia-container-runtime-hook getDriverCapabilities): comma
-    separated, blanks trimmed; empty -> utility,compute; "all" -> every capability;
-    unknown names are refused."""
+    """Toolkit semantics (cmd/nvidia-container-runtime-hook getDriverCapabilities, and
+    internal/config/image NewDriverCapabilities): an empty value is the default
+    utility,compute; any other value is split on commas, blanks trimmed and empty items
+    skipped, so a value of blanks or commas alone (" ", ",") is no capability at all;
+    "all" -> every capability; unknown names are refused."""
     check_text(value, source)
+    if value == "":
+        return DEFAULT_CAPABILITIES, source
     names = {t.strip() for t in value.split(",")} - {""}
     if not names:
-        return DEFAULT_CAPABILITIES, source
+        return frozenset(), source
     unknown = sorted(names - ALL_CAPABILITIES - {"all"})
     if unknown:
         raise RequestError(f"unknown driver capabilities {', '.join(unknown)} (known: all, "

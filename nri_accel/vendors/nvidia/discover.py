@@ -1,8 +1,9 @@
 """NVIDIA discovery: GPUs, MIG devices and the driver's files, from NVML and the host.
 
-Owns: discover_nvidia(root), nvml_library(root), probe(root) and the NVIDIA facts they
-encode (which libraries and binaries each driver capability brings, brand/architecture
-names, MIG profiles, device node and capability-file layout). Imports
+Owns: discover_nvidia(root), nvml_library(root), probe(root), parse_mig_minors() and
+the NVIDIA facts they encode (which libraries and binaries each driver capability
+brings, brand/architecture names, MIG profiles, device node and capability-file
+layout, where the IPC sockets live). Imports
 nri_accel.discover.{nvml, ldcache, hostroot, base, kernel, probe}, nri_accel.errors,
 nri_accel.inventory, nri_accel.log and the kinds of nri_accel.vendors.nvidia; never
 pynvml itself (the nvml adapter does). Runs at startup and on refresh, never on a
@@ -19,31 +20,61 @@ What it finds:
 - A Device of kind nvidia.com/mig per MIG device (name "<gpu index>:<mig index>",
   the NVIDIA_VISIBLE_DEVICES syntax; uuid "MIG-..."; alias "MIG-GPU-<uuid>/<gi>/<ci>";
   edits: the parent's /dev/nvidia<minor> plus the nvidia-caps nodes of its GPU and
-  compute instances' "access" capabilities; parent = the GPU's name).
+  compute instances' "access" capabilities; parent = the GPU's name). A capability's
+  minor comes from the driver's table /proc/driver/nvidia-caps/mig-minors
+  ("gpu0/gi2/access 21", "gpu0/gi2/ci0/access 22", "config 1", "monitor 2"; the
+  toolkit's internal/nvcaps reads it too), else from its file under
+  /proc/driver/nvidia/capabilities ("DeviceFileMinor: 21", what libnvidia-container
+  reads); the two disagreeing is refused (the wrong minor would grant another instance).
+  The major is nvidia-caps' in /proc/devices.
 - Driver("nvidia") with its files by capability, as libnvidia-container grants them
   (src/nvc_info.c lists, src/nvc_mount.c rules):
     ""          /dev/nvidiactl, GSP firmware
     utility     NVML & co. libraries, nvidia-smi/-debugdump/-persistenced/nv-fabricmanager,
-                the persistenced and fabric manager sockets
+                the persistenced and fabric manager sockets (nvidia-persistenced/socket,
+                nvidia-fabricmanager/socket, in /var/run and in /run)
     compute     CUDA libraries, the MPS binaries, /dev/nvidia-uvm, /dev/nvidia-uvm-tools,
                 the MPS pipe directory
     video       video libraries plus what compute brings except its binaries
     graphics    OpenGL/EGL/Vulkan libraries
     display     the graphics libraries and /dev/nvidia-modeset
     ngx         libnvidia-ngx
-    compat32    the 32-bit builds of all of those libraries (x86_64 nodes)
+    compat32/<capability>  (x86_64 nodes) the 32-bit builds of the libraries
+                <capability> selects (compat32/video: video and compute libraries,
+                compat32/display: the graphics ones); compat32 adds those of the other
+                capabilities requested, and nothing alone
     mig-config  /dev/nvidia-caps/nvidia-cap<N> of capabilities/mig/config
     mig-monitor /dev/nvidia-caps/nvidia-cap<N> of capabilities/mig/monitor
   Libraries are only the exact `<name>.so.<driver version>` files; each is mounted
   read-only at /usr/local/nvidia/lib64/<soname> (lib/ for compat32), binaries at
-  /usr/bin/<name>, firmware and IPC paths where the driver root has them. An IPC
-  path's last component must be the socket or directory itself, never a symlink (the
-  MPS pipe directory lives in world-writable /tmp): anything else is a Problem.
+  /usr/bin/<name>, firmware and IPC paths where the driver root has them. IPC paths:
+  libnvidia-container and the toolkit look only at /var/run, which on most hosts is a
+  link to /run; where /var/run is a real directory a daemon's socket may be in either,
+  so both are looked at, and each socket found is mounted at its own path (its
+  directories resolved in the root: /var/run -> /run gives one mount, at /run/...).
+  The MPS pipe directory is CUDA's default /tmp/nvidia-mps only. An IPC path's last
+  component must be the socket or directory itself, never a symlink (the MPS pipe
+  directory lives in world-writable /tmp): anything else is a Problem.
 
 Device nodes are taken with lstat: major/minor from the node itself, a symlink or a
 non-device refused with a Problem (and left out), never followed. A node whose
 /dev/char/<major>:<minor> link is missing is reported (runc's systemd cgroup driver
 needs it). NVML absent or failing: Found with one Problem, other vendors unaffected.
+
+nvidia-caps nodes are the exception: the driver creates them only on demand
+(nvidia-modprobe -f <capability file>, which CUDA runs when it first opens a MIG
+device), so on a freshly booted node they are often missing. A missing one is granted
+anyway, as a DeviceNode built from its type, major and minor (the runtime creates the
+node inside the container; it needs no host node), with a Problem saying so: a
+container in a user namespace (runc bind-mounts device nodes there) and runc's systemd
+cgroup driver (it allows a device through its /dev/char link) need the host node. With
+discovery.create_device_nodes (off by default: it modifies the host) discovery creates
+them through the HostRoot as nvidia-modprobe does (/dev/nvidia-caps 0755, the node with
+the DeviceFileMode of its capability file, 0666 as nvidia-ctk where that gives none),
+and the missing /dev/char/<major>:<minor> links of every node it grants, relative as
+udev and nvidia-modprobe write them (nvidia-ctk system create-dev-char-symlinks makes
+the same links). It never replaces an entry that exists, and never runs on a
+CreateContainer.
 """
 
 from __future__ import annotations
@@ -77,7 +108,7 @@ from nri_accel.inventory import (
     parse_pci_bus_id,
 )
 from nri_accel.log import get_logger
-from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG, VENDOR
+from nri_accel.vendors.nvidia import COMPAT32_PREFIX, KIND_GPU, KIND_MIG, VENDOR
 
 log = get_logger(__name__)
 
@@ -89,6 +120,8 @@ LIB_DIR = "/usr/local/nvidia/lib64"
 LIB32_DIR = "/usr/local/nvidia/lib"
 BIN_DIR = "/usr/bin"
 PROC_CAPS = "/proc/driver/nvidia/capabilities"
+MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
+CAPS_DIR = "nvidia-caps"  # under /dev
 IPC_OPTIONS = ("ro", "nosuid", "nodev", "noexec", "bind")
 MIB = 1 << 20
 GIB = 1 << 30
@@ -113,11 +146,23 @@ GRAPHICS_LIBS = (
     "libGL.so", "libEGL.so", "libGLESv1_CM.so", "libGLESv2.so",
 )
 NGX_LIBS = ("libnvidia-ngx.so",)
+# The libraries each capability selects (nvc_info.c match_library_flags through the
+# nvc.c container options: video is OPT_VIDEO_LIBS|OPT_COMPUTE_LIBS, display
+# OPT_DISPLAY|OPT_GRAPHICS_LIBS), whose 32-bit builds compat32 adds.
+COMPAT32_LIBS = {
+    "utility": UTILITY_LIBS, "compute": COMPUTE_LIBS, "video": (*VIDEO_LIBS, *COMPUTE_LIBS),
+    "graphics": GRAPHICS_LIBS, "display": GRAPHICS_LIBS, "ngx": NGX_LIBS,
+}
 UTILITY_BINS = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nv-fabricmanager")
 COMPUTE_BINS = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
-PERSISTENCED_SOCKET = "/var/run/nvidia-persistenced/socket"
-FABRICMANAGER_SOCKET = "/var/run/nvidia-fabricmanager/socket"
-MPS_PIPE_DIR = "/tmp/nvidia-mps"
+# IPC paths, as libnvidia-container (src/nvc_internal.h, _PATH_VARRUN) and the toolkit
+# (internal/discover/ipc.go) name them, looked up in /var/run and in /run: a host whose
+# /var/run is a real directory (many container root filesystems, hosts that never merged
+# it into /run) may have a daemon's socket in either.
+RUN_DIRS = ("/var/run", "/run")
+PERSISTENCED_SOCKET = "nvidia-persistenced/socket"
+FABRICMANAGER_SOCKET = "nvidia-fabricmanager/socket"
+MPS_PIPE_DIR = "/tmp/nvidia-mps"  # CUDA's default CUDA_MPS_PIPE_DIRECTORY, not a run dir
 
 # Lower-case names as CUDA images write them in NVIDIA_REQUIRE_CUDA ("brand=tesla").
 BRANDS = {
@@ -139,6 +184,9 @@ _NVLINK_GPU = 0
 _NVLINK_SWITCH = 2
 _PROFILE_RE = re.compile(r"^(\d+c\.)?\d+g\.\d+gb(\+[a-z0-9]+)*$")
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?$")
+_MIG_CAP_RE = re.compile(r"config|monitor|gpu[0-9]+/gi[0-9]+(/ci[0-9]+)?/access")
+_MINOR_RE = re.compile(r"[0-9]{1,7}")
+_MAX_MINOR = (1 << 20) - 1  # Linux minors are 20 bits
 
 
 def normalise_pci_bus_id(value: str) -> str:
@@ -176,9 +224,11 @@ def nvml_library(root: HostRoot) -> str | None:
     return locator.local_path(lib) if lib is not None else None
 
 
-def discover_nvidia(root: HostRoot) -> Found:
+def discover_nvidia(root: HostRoot, *, create_device_nodes: bool = False) -> Found:
     """NVIDIA GPUs, MIG devices and driver files under `root`. Never raises for a
-    missing or broken driver: the reason is a Problem."""
+    missing or broken driver: the reason is a Problem. `create_device_nodes`: create the
+    nvidia-caps nodes and /dev/char links the host lacks (config
+    discovery.create_device_nodes)."""
     started = time.perf_counter()
     locator = Locator(root)
     problems = list(locator.problems)
@@ -195,7 +245,7 @@ def discover_nvidia(root: HostRoot) -> Found:
                                         "NVIDIA GPUs are not discovered"))
         return Found(problems=tuple(problems))
 
-    scan = _Scan(root, problems)
+    scan = _Scan(root, problems, create=create_device_nodes)
     problems.extend(Problem(VENDOR, f"the driver lacks {fn}: "
                                     f"{_FALLBACKS.get(fn, 'that field is left empty')}")
                     for fn in snap.missing)
@@ -224,12 +274,15 @@ def discover_nvidia(root: HostRoot) -> Found:
 
 @dataclass(slots=True)
 class _Scan:
-    """Reads device nodes and /proc for one discovery, collecting Problems."""
+    """Reads device nodes and /proc for one discovery, collecting Problems. With
+    `create`, creates the nvidia-caps nodes and /dev/char links the host lacks."""
 
     root: HostRoot
     problems: list[Problem]
+    create: bool = False
     _caps_major: int | None = field(default=None)
     _caps_major_read: bool = field(default=False)
+    _mig_minors: dict[str, int] | None = field(default=None)
 
     def node(self, name: str, *, expect: tuple[int | None, int | None] = (None, None),
              what: str, required: bool = True) -> DeviceNode | None:
@@ -265,12 +318,16 @@ class _Scan:
     def _check_char_link(self, host: str, major: int, minor: int) -> None:
         link = self.root.dev_path(f"char/{major}:{minor}")
         hint = ("runc's systemd cgroup driver needs it to allow the device "
-                "(nvidia-ctk system create-dev-char-symlinks --create-all)")
+                "(nvidia-ctk system create-dev-char-symlinks --create-all")
         try:
             st = self.root.lstat(link)
         except OSError:
-            self.problems.append(Problem(link, f"missing (a link to {host}): {hint}"))
+            if not (self.create and self._create_char_link(link, host)):
+                self.problems.append(Problem(link, (
+                    f"missing (a link to {host}): {hint}, or [discovery] "
+                    "create_device_nodes = true)")))
             return
+        hint += ")"
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(self.root.local(link))
             resolved = os.path.normpath(os.path.join(os.path.dirname(link), target))
@@ -279,33 +336,108 @@ class _Scan:
         elif not (stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(major, minor)):
             self.problems.append(Problem(link, f"is neither a link to {host} nor that device"))
 
-    def cap_node(self, proc_path: str, *, what: str) -> DeviceNode | None:
-        """The /dev/nvidia-caps node named by an nvidia capability file in /proc
-        ("DeviceFileMinor: N"), checked against the nvidia-caps major."""
-        minor = self._cap_minor(proc_path)
+    def _create_char_link(self, link: str, host: str) -> bool:
+        """/dev/char/<major>:<minor> -> ../<node>, relative as udev and nvidia-modprobe
+        write it (so it holds under any root). Never replaces what is there."""
+        target = posixpath.relpath(host, posixpath.dirname(link))
+        try:
+            self.root.makedirs(posixpath.dirname(link), 0o755)
+            self.root.symlink(link, target)
+        except OSError as e:
+            self.problems.append(Problem(link, f"cannot create it (a link to {host}): "
+                                               f"{e.strerror or e}"))
+            return True  # reported
+        log.info("dev_char_link_created", link=link, target=target)
+        return True
+
+    def cap_node(self, proc_path: str, key: str, *, what: str) -> DeviceNode | None:
+        """The /dev/nvidia-caps node of an nvidia capability: `proc_path` its file under
+        /proc/driver/nvidia/capabilities, `key` its line in mig-minors ("config",
+        "gpu0/gi2/access", "gpu0/gi2/ci0/access"). The minor comes from mig-minors, else
+        from the capability file's DeviceFileMinor (refused when they disagree: the
+        wrong minor would grant another instance), the major from /proc/devices. A node
+        the host lacks is still granted, created first when `create`."""
+        fields = self._cap_fields(proc_path)
+        from_file = fields.get("DeviceFileMinor")
+        from_table = self.mig_minors().get(key)
+        if from_file is not None and from_table is not None and from_file != from_table:
+            self.problems.append(Problem(proc_path, (
+                f"says minor {from_file} but {MIG_MINORS} says {from_table} for {key}: "
+                f"{what} is left out")))
+            return None
+        minor = from_table if from_table is not None else from_file
         if minor is None:
-            self.problems.append(Problem(proc_path, f"missing or unreadable: {what} is left out"))
+            self.problems.append(Problem(proc_path, (
+                f"missing or unreadable, and {MIG_MINORS} has no {key}: {what} is left out")))
             return None
         major = self.caps_major()
         if major is None:
             self.problems.append(Problem("/proc/devices", (
                 f"no nvidia-caps character device major: {what} is left out")))
             return None
-        return self.node(f"nvidia-caps/nvidia-cap{minor}", expect=(major, minor), what=what)
+        name = f"{CAPS_DIR}/nvidia-cap{minor}"
+        host = self.root.dev_path(name)
+        mode = fields.get("DeviceFileMode")
+        if self.root.exists(host) or (
+                self.create and self._create_cap_node(host, major, minor, mode, what)):
+            return self.node(name, expect=(major, minor), what=what)
+        if not self.create:  # (a failed creation is reported already)
+            self.problems.append(Problem(host, (
+                f"missing: {what} is granted anyway as char {major}:{minor}, which the "
+                "runtime creates in the container; user-namespace containers need the "
+                "host node and runc's systemd cgroup driver "
+                f"/dev/char/{major}:{minor} (nvidia-modprobe -f {proc_path}, or "
+                "[discovery] create_device_nodes = true)")))
+        path = "/dev/" + name
+        return DeviceNode(path=path, major=major, minor=minor, type="c",
+                          host_path="" if host == path else host,
+                          file_mode=None if mode is None else stat.S_IMODE(mode))
 
-    def _cap_minor(self, proc_path: str) -> int | None:
+    def _create_cap_node(self, host: str, major: int, minor: int, mode: int | None,
+                         what: str) -> bool:
+        """mknod the nvidia-caps node as nvidia-modprobe does: /dev/nvidia-caps 0755, the
+        node with the DeviceFileMode of its capability file (0666, as nvidia-ctk, where
+        the file gives none)."""
+        perm = 0o666 if mode is None else stat.S_IMODE(mode)
+        try:
+            self.root.makedirs(posixpath.dirname(host), 0o755)
+            self.root.mknod_char(host, major, minor, perm)
+        except FileExistsError:
+            return True  # created meanwhile (nvidia-modprobe): lstat it as found
+        except OSError as e:
+            self.problems.append(Problem(host, (
+                f"missing, and cannot create it ({e.strerror or e}): {what} is granted "
+                f"anyway as char {major}:{minor}, which the runtime creates in the "
+                "container")))
+            return False
+        log.info("device_node_created", path=host, major=major, minor=minor,
+                 mode=f"{perm:04o}")
+        return True
+
+    def _cap_fields(self, proc_path: str) -> dict[str, int]:
+        """The "Name: number" lines of a capability file (DeviceFileMinor,
+        DeviceFileMode, ...); empty when it cannot be read."""
         try:
             text = self.root.read_text(proc_path)
         except OSError:
-            return None
+            return {}
+        out = {}
         for line in text.splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "DeviceFileMinor":
-                try:
-                    return int(value)
-                except ValueError:
-                    return None
-        return None
+            try:
+                out.setdefault(key.strip(), int(value))
+            except ValueError:
+                continue
+        return out
+
+    def mig_minors(self) -> dict[str, int]:
+        if self._mig_minors is None:
+            try:
+                text = self.root.read_text(MIG_MINORS)
+            except OSError:
+                text = ""
+            self._mig_minors = parse_mig_minors(text)
+        return self._mig_minors
 
     def caps_major(self) -> int | None:
         if not self._caps_major_read:
@@ -313,6 +445,19 @@ class _Scan:
             self._caps_major = char_major(self.root, "nvidia-caps")
         return self._caps_major
 
+
+def parse_mig_minors(text: str) -> dict[str, int]:
+    """/proc/driver/nvidia-caps/mig-minors: "<capability> <minor>" lines, the capability
+    one of config, monitor, gpu<N>/gi<G>/access, gpu<N>/gi<G>/ci<C>/access (N the GPU's
+    minor). Malformed lines are skipped, as the toolkit does (internal/nvcaps)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) != 2 or not _MIG_CAP_RE.fullmatch(fields[0]) \
+                or not _MINOR_RE.fullmatch(fields[1]) or int(fields[1]) > _MAX_MINOR:
+            continue
+        out.setdefault(fields[0], int(fields[1]))
+    return out
 
 
 # ---- devices -------------------------------------------------------------------------
@@ -395,8 +540,10 @@ def _mig_devices(g: nvml.GpuInfo, parent_node: DeviceNode, bus: str, numa: int |
         name = f"{g.index}:{m.index}"
         what = f"MIG device {name} ({m.uuid})"
         gpu_dir = f"{PROC_CAPS}/gpu{g.minor}/mig/gi{m.gi}"
-        gi_node = scan.cap_node(f"{gpu_dir}/access", what=what)
-        ci_node = scan.cap_node(f"{gpu_dir}/ci{m.ci}/access", what=what)
+        key = f"gpu{g.minor}/gi{m.gi}"
+        gi_node = scan.cap_node(f"{gpu_dir}/access", f"{key}/access", what=what)
+        ci_node = scan.cap_node(f"{gpu_dir}/ci{m.ci}/access", f"{key}/ci{m.ci}/access",
+                                what=what)
         if gi_node is None or ci_node is None:
             continue
         attrs = {k: parent_attrs[k] for k in ("brand", "arch", "compute_capability")
@@ -452,22 +599,34 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         return [Mount(locator.host_path(p), f"{BIN_DIR}/{n}")
                 for n in names if (p := locator.find_binary(n)) is not None]
 
-    def ipc(path: str, is_kind: Callable[[int], bool], kind: str) -> list[Mount]:
-        # The last component is taken as it is, never followed: a link planted there
-        # (/tmp is world-writable) would otherwise bind any host directory.
-        parent = locator.resolve(posixpath.dirname(path))
-        if parent is None:
-            return []
-        leaf = posixpath.join(parent, posixpath.basename(path))
-        try:
-            mode = os.lstat(locator.local_path(leaf)).st_mode
-        except OSError:
-            return []
-        if not is_kind(mode):
-            scan.problems.append(Problem(locator.host_path(leaf), (
-                f"is not a {kind} (a symlink is not followed): it is not mounted")))
-            return []
-        return [Mount(locator.host_path(leaf), leaf, options=IPC_OPTIONS)]
+    def ipc(paths: Iterable[str], is_kind: Callable[[int], bool], kind: str) -> list[Mount]:
+        # Each of `paths` that exists, mounted where it is (its directories resolved in
+        # the root, so /var/run -> /run gives one mount at /run/...). The last component
+        # is taken as it is, never followed: a link planted there (/tmp is
+        # world-writable) would otherwise bind any host directory.
+        out: list[Mount] = []
+        seen: set[str] = set()
+        for path in paths:
+            parent = locator.resolve(posixpath.dirname(path))
+            if parent is None:
+                continue
+            leaf = posixpath.join(parent, posixpath.basename(path))
+            if leaf in seen:
+                continue
+            seen.add(leaf)
+            try:
+                mode = os.lstat(locator.local_path(leaf)).st_mode
+            except OSError:
+                continue
+            if not is_kind(mode):
+                scan.problems.append(Problem(locator.host_path(leaf), (
+                    f"is not a {kind} (a symlink is not followed): it is not mounted")))
+                continue
+            out.append(Mount(locator.host_path(leaf), leaf, options=IPC_OPTIONS))
+        return out
+
+    def run_paths(name: str) -> tuple[str, ...]:
+        return tuple(f"{d}/{name}" for d in RUN_DIRS)
 
     def nodes(*maybe: DeviceNode | None) -> tuple[DeviceNode, ...]:
         return tuple(n for n in maybe if n is not None)
@@ -484,7 +643,7 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         scan.node("nvidia-uvm-tools", what="/dev/nvidia-uvm-tools (compute)", required=False),
     )
     compute_core = ContainerEdits(device_nodes=uvm, mounts=(
-        *compute_libs, *ipc(MPS_PIPE_DIR, stat.S_ISDIR, "directory")))
+        *compute_libs, *ipc((MPS_PIPE_DIR,), stat.S_ISDIR, "directory")))
     ctl = scan.node("nvidiactl", expect=(NVIDIA_MAJOR, NVIDIACTL_MINOR), what="every NVIDIA "
                     "capability (/dev/nvidiactl)")
     modeset = scan.node("nvidia-modeset", expect=(NVIDIA_MAJOR, MODESET_MINOR),
@@ -495,8 +654,8 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         "": ContainerEdits(device_nodes=nodes(ctl), mounts=tuple(firmware)),
         "utility": ContainerEdits(mounts=(
             *libs(UTILITY_LIBS, locator.arch, LIB_DIR), *bins(UTILITY_BINS),
-            *ipc(PERSISTENCED_SOCKET, stat.S_ISSOCK, "socket"),
-            *ipc(FABRICMANAGER_SOCKET, stat.S_ISSOCK, "socket"))),
+            *ipc(run_paths(PERSISTENCED_SOCKET), stat.S_ISSOCK, "socket"),
+            *ipc(run_paths(FABRICMANAGER_SOCKET), stat.S_ISSOCK, "socket"))),
         "compute": compute_core.merged(ContainerEdits(mounts=tuple(bins(COMPUTE_BINS)))),
         "video": ContainerEdits(mounts=tuple(libs(VIDEO_LIBS, locator.arch,
                                                   LIB_DIR))).merged(compute_core),
@@ -506,12 +665,16 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
     }
     compat = COMPAT32.get(locator.arch.name)
     if compat is not None:
-        every = (*UTILITY_LIBS, *COMPUTE_LIBS, *VIDEO_LIBS, *GRAPHICS_LIBS, *NGX_LIBS)
-        caps["compat32"] = ContainerEdits(mounts=tuple(libs(every, ARCHES[compat], LIB32_DIR)))
-    for cap, proc in (("mig-config", "mig/config"), ("mig-monitor", "mig/monitor")):
-        path = f"{PROC_CAPS}/{proc}"
+        # compat32 is no set of files of its own: it adds the 32-bit builds of what the
+        # other requested capabilities select (libnvidia-container mounts libs32 through
+        # the same match_library_flags() filter as the 64-bit ones, nvc_mount.c).
+        for cap, names in COMPAT32_LIBS.items():
+            caps[f"{COMPAT32_PREFIX}{cap}"] = ContainerEdits(
+                mounts=tuple(libs(names, ARCHES[compat], LIB32_DIR)))
+    for cap, key in (("mig-config", "config"), ("mig-monitor", "monitor")):
+        path = f"{PROC_CAPS}/mig/{key}"
         if scan.root.exists(path):
-            caps[cap] = ContainerEdits(device_nodes=nodes(scan.cap_node(path, what=cap)))
+            caps[cap] = ContainerEdits(device_nodes=nodes(scan.cap_node(path, key, what=cap)))
     return {k: _sorted(v) for k, v in caps.items() if v}
 
 

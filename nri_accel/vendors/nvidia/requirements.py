@@ -21,9 +21,16 @@ nvidia-container-toolkit (internal/config/image/cuda_image.go):
   ``cuda>=MAJOR.MINOR`` of CUDA_VERSION; NVIDIA_DISABLE_REQUIRE (Go strconv.ParseBool
   true: 1, t, T, true, TRUE, True) disables every requirement.
 
-One deliberate difference: upstream reports a malformed constraint only when evaluation
+- Version numbers are unsigned 32-bit: a CUDA_VERSION whose major or minor exceeds
+  4294967295 is refused (the toolkit's ParseUint(_, 10, 32); the patch is not limited,
+  as there), and so is a constraint with a larger version component.
+
+Deliberate differences: upstream reports a malformed constraint only when evaluation
 reaches it; here every constraint is checked when the request is parsed, so a typo fails
-the container at once with the variable named, whatever the GPU.
+the container at once with the variable named, whatever the GPU. And libnvidia-container
+(dsl_compare_version, strtoumax) refuses a component only from UINTMAX_MAX (2^64 - 1)
+on; here the limit is the 32 bits the toolkit gives CUDA_VERSION, which every real
+driver, CUDA and compute-capability number is far below.
 """
 
 from __future__ import annotations
@@ -50,11 +57,20 @@ _OP_CHARS = "<>=!"
 _VERSION_RE = re.compile(r"[0-9]+(?:\.[0-9]+)*")
 _BRAND_RE = re.compile(r"[A-Za-z0-9_.-]+")
 # Go golang.org/x/mod/semver as the toolkit uses it for CUDA_VERSION ("v" optional):
-# MAJOR[.MINOR[.PATCH[-PRERELEASE][+BUILD]]], no leading zeros.
+# MAJOR[.MINOR[.PATCH[-PRERELEASE][+BUILD]]], no leading zeros in numbers or in numeric
+# pre-release identifiers, no empty identifier.
 _NUM = r"(?:0|[1-9][0-9]*)"
+_PRE_ID = r"(?:0|[1-9][0-9]*|[0-9]*[A-Za-z-][0-9A-Za-z-]*)"
+_BUILD_ID = r"[0-9A-Za-z-]+"
 _SEMVER_RE = re.compile(
-    rf"v?({_NUM})(?:\.({_NUM})(?:\.{_NUM}(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?)?)?"
+    rf"v?({_NUM})(?:\.({_NUM})(?:\.{_NUM}(?:-{_PRE_ID}(?:\.{_PRE_ID})*)?"
+    rf"(?:\+{_BUILD_ID}(?:\.{_BUILD_ID})*)?)?)?"
 )
+# Version numbers are unsigned 32-bit: the toolkit parses CUDA_VERSION's major and minor
+# with strconv.ParseUint(_, 10, 32) (internal/config/image cuda_image.go
+# parseMajorMinorVersion; its tests: 4294967295 is valid, 9.4294967296 is not), and the
+# requirement it derives, cuda>=MAJOR.MINOR, goes through the same language.
+UINT32_MAX = 0xFFFFFFFF
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -171,6 +187,11 @@ def _parse_constraint(expr: str, source: str) -> Constraint:
         if not _VERSION_RE.fullmatch(value):
             raise RequestError(f"invalid constraint {expr!r}: {key} takes a dotted version "
                                "number such as 12.4", source=source)
+        big = next((c for c in value.split(".") if _overflows(c)), None)
+        if big is not None:
+            raise RequestError(f"invalid constraint {_cut(expr)!r}: version number "
+                               f"{_cut(big)} does not fit in 32 bits (at most {UINT32_MAX})",
+                               source=source)
     elif key in STRING_KEYS:
         if op not in ("=", "!="):
             raise RequestError(f"invalid constraint {expr!r}: {key} compares only with "
@@ -182,6 +203,16 @@ def _parse_constraint(expr: str, source: str) -> Constraint:
         raise RequestError(f"invalid constraint {expr!r}: unknown key {key!r} "
                            "(known: arch, brand, cuda, driver)", source=source)
     return Constraint(key, op, value)
+
+
+def _overflows(digits: str) -> bool:
+    """Whether a decimal number (no sign) exceeds UINT32_MAX; never converts a long one."""
+    digits = digits.lstrip("0")
+    return len(digits) > 10 or (len(digits) == 10 and int(digits) > UINT32_MAX)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 @lru_cache(maxsize=512)
@@ -223,9 +254,14 @@ def requirements_from_env(env: Mapping[str, str]) -> Requirements | None:
     if legacy_cuda_image(env):
         m = _SEMVER_RE.fullmatch(env[CUDA_VERSION])
         if m is None:
-            raise RequestError(f"invalid CUDA version {env[CUDA_VERSION]!r} (legacy image "
-                               "without NVIDIA_REQUIRE_CUDA)", source=f"env {CUDA_VERSION}")
+            raise RequestError(f"invalid CUDA version {_cut(env[CUDA_VERSION])!r} (legacy "
+                               "image without NVIDIA_REQUIRE_CUDA)", source=f"env {CUDA_VERSION}")
         major, minor = m.group(1), m.group(2) or "0"
+        for what, number in (("major", major), ("minor", minor)):
+            if _overflows(number):
+                raise RequestError(f"invalid CUDA version {_cut(env[CUDA_VERSION])!r}: the "
+                                   f"{what} version does not fit in 32 bits (at most "
+                                   f"{UINT32_MAX})", source=f"env {CUDA_VERSION}")
         items.append(parse_requirement(f"env {CUDA_VERSION}", f"cuda>={major}.{minor}"))
     items = [r for r in items if r.alternatives]
     return Requirements(tuple(items)) if items else None
