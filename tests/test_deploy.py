@@ -8,10 +8,6 @@ read, and holds no privilege or host path that is not explained here.
   a kubectl that does not render is a failure, never a skip.
 - The example pods get what they ask for, through `nri-accel explain`.
 - The systemd units and the image's Dockerfile.
-
-Issue #7 adds a `[device_plugin]` config table. Until this build has it, the checks leave
-the table out (PENDING_CONFIG_TABLES); once it has it, parse_config reads it like
-everything else, and the strict xfail test below fails to say that the shim can go.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ from nri_accel import __version__
 from nri_accel.cli import build_parser
 from nri_accel.config import Config, parse_config
 from nri_accel.deviceplugin.resources import resources_from_inventory
-from nri_accel.errors import ConfigError
 from nri_accel.inventory import Inventory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,11 +42,6 @@ OVERLAYS = K8S / "overlays"
 EXAMPLES = K8S / "examples"
 DEMO_INVENTORY = REPO / "nri_accel" / "demo" / "inventory.json"
 KUBECTL_ENV = "NRI_ACCEL_KUBECTL"
-
-# --- the shim for issue #7 ---------------------------------------------------------------
-
-PENDING_CONFIG_TABLES = frozenset({"device_plugin"})
-
 
 def parse_cli(argv: Sequence[str]) -> dict[str, Any]:
     """`argv` as `nri-accel` reads it: its options by dest."""
@@ -64,34 +54,15 @@ def parse_cli(argv: Sequence[str]) -> dict[str, Any]:
     return vars(args)
 
 
-def _config_has_table(table: str) -> bool:
-    try:
-        parse_config({table: {}})
-    except ConfigError:
-        return False
-    return True
-
-
 def load_config_text(text: str) -> Config:
-    """A config.toml as the daemons read it (a PENDING_CONFIG_TABLES table this build
-    does not know yet is left out)."""
-    data = tomllib.loads(text)
-    for table in PENDING_CONFIG_TABLES & data.keys():
-        if not _config_has_table(table):
-            del data[table]
-    return parse_config(data)
+    """A config.toml as the daemons read it."""
+    return parse_config(tomllib.loads(text))
 
 
 @pytest.mark.parametrize("verb", ["run", "device-plugin"])
 def test_run_and_device_plugin_take_the_state_dir_and_metrics_flags(verb: str) -> None:
     argv = [verb, "--state-dir", "/run/nri-accel", "--metrics-address", "127.0.0.1:9479"]
     assert build_parser().parse_known_args(argv)[1] == []
-
-
-@pytest.mark.xfail(strict=True, reason="issue #7 adds it; once it has, remove this marker "
-                   "and PENDING_CONFIG_TABLES")
-def test_the_config_takes_a_device_plugin_table() -> None:
-    assert _config_has_table("device_plugin")
 
 
 # --- what may be granted, and why ----------------------------------------------------------
@@ -376,8 +347,6 @@ def test_no_file_under_deploy_kubernetes_mounts_a_host_path_not_allowed() -> Non
                 assert host_path in HOST_PATHS, f"{path}: hostPath {host_path}"
 
 
-@pytest.mark.xfail(not _config_has_table("device_plugin"), strict=True,
-                   reason="issue #7: parse_config has no [device_plugin] table yet")
 def test_the_migration_overlay_advertises_no_nvidia_resource_name() -> None:
     text = (OVERLAYS / "nvidia-migration" / "config.toml").read_text()
     config = parse_config(tomllib.loads(text))  # every key, the [device_plugin] table too
