@@ -43,6 +43,10 @@ EXAMPLES = K8S / "examples"
 DEMO_INVENTORY = REPO / "nri_accel" / "demo" / "inventory.json"
 KUBECTL_ENV = "NRI_ACCEL_KUBECTL"
 
+# The annotation key the runtime drop-ins configure (tolerate_missing_plugins_annotation).
+TOLERATE_MISSING_PLUGINS = "tolerate-missing-plugins.nri.io"
+
+
 def parse_cli(argv: Sequence[str]) -> dict[str, Any]:
     """`argv` as `nri-accel` reads it: its options by dest."""
     argv = list(argv)
@@ -240,7 +244,9 @@ def check_metrics(docs: list[dict[str, Any]]) -> None:
                           "readinessProbe": "/readyz"}
         assert template["metadata"]["annotations"] == {
             "prometheus.io/scrape": "true", "prometheus.io/port": str(port),
-            "prometheus.io/path": "/metrics"}
+            "prometheus.io/path": "/metrics",
+            # the runtime's NRI validator, with required_plugins, must let them start
+            TOLERATE_MISSING_PLUGINS: "true"}
 
 
 def check_host_paths(docs: list[dict[str, Any]]) -> None:
@@ -534,3 +540,25 @@ def test_the_image_is_built_in_stages_from_a_base_pinned_by_digest() -> None:
     assert "RUN" not in final, "the final stage copies the built environment, nothing else"
     (user,) = [rest for instruction, rest in lines[last:] if instruction == "USER"]
     assert user.split(":")[0] not in ("0", "root")
+
+
+def _commented_table(path: Path, header: str) -> dict[str, Any]:
+    """The TOML table a drop-in shows commented out, from `# <header>` on, uncommented."""
+    lines = path.read_text().splitlines()
+    start = lines.index(f"# {header}")
+    return tomllib.loads("\n".join(line.removeprefix("#").strip() for line in lines[start:]))
+
+
+def test_the_runtime_drop_ins_show_the_validator_that_requires_nri_accel() -> None:
+    # The keys are upstream's: containerd's [plugins."io.containerd.nri.v1.nri"]
+    # default_validator (nri plugins/default-validator DefaultValidatorConfig), CRI-O's
+    # [crio.nri.default_validator]; the toleration key is the one the DaemonSets carry.
+    containerd = _commented_table(DEPLOY / "containerd" / "nri-accel.toml",
+                                  '[plugins."io.containerd.nri.v1.nri".default_validator]')
+    assert containerd == {"plugins": {"io.containerd.nri.v1.nri": {"default_validator": {
+        "enable": True, "required_plugins": ["nri-accel"],
+        "tolerate_missing_plugins_annotation": TOLERATE_MISSING_PLUGINS}}}}
+    crio = _commented_table(DEPLOY / "crio" / "10-nri-accel.conf", "[crio.nri.default_validator]")
+    assert crio == {"crio": {"nri": {"default_validator": {
+        "nri_enable_default_validator": True, "nri_validator_required_plugins": ["nri-accel"],
+        "nri_validator_tolerate_missing_plugins_annotation": TOLERATE_MISSING_PLUGINS}}}}

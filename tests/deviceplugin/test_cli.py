@@ -84,16 +84,20 @@ def test_watches_the_host_root_and_serves_what_changes(kubelet: FakeKubelet,
     root = materialise("cdi-only", tmp_path / "node")
     config = tmp_path / "config.toml"
     config.write_text('[discovery]\nrefresh_interval = 0.1\n[log]\nformat = "json"\n')
+    address = f"127.0.0.1:{_free_port()}"
     with _DevicePlugin("--kubelet-dir", kubelet.directory, "--root", root.root,
-                       "--config", str(config), "--state-dir", nri_side.state_dir) as dp:
+                       "--config", str(config), "--state-dir", nri_side.state_dir,
+                       "--metrics-address", address) as dp:
         amd = kubelet.wait_registered("amd.com/gpu")
         gaudi = kubelet.wait_registered("habana.ai/gaudi")
         assert [d.ID for d in kubelet.wait_list(amd).devices] == ["0", "1"]
         assert [d.ID for d in kubelet.wait_list(gaudi).devices] == ["0", "1"]
+        assert scrape(address).value("nri_accel_inventory_refreshes_total") == 0
         os.unlink(root.local("/var/run/cdi/habana.ai-gaudi.yaml"))  # the vendor's spec goes
         kubelet.wait_for(lambda: gaudi.ended, "the removed resource's stream ends")
         assert list(gaudi.lists[-1].devices) == []
         assert not amd.ended
+        assert scrape(address).value("nri_accel_inventory_refreshes_total") == 1
     assert dp.returncode == 0, dp.stderr
     assert '"event": "resource_removed"' in dp.stderr
 
