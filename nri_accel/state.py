@@ -14,12 +14,12 @@ only through `all`, through a kubelet time-slicing replica, or of a kind the con
 shares is used *shared*, holds nothing and is never refused for being held. An exclusive
 grant of a device another container holds is refused (AllocationError) naming that
 container; counts never choose a held device. A device and its parts (a GPU and its MIG
-devices, a Neuron device and its NeuronCores: Holdings.set_parts) count as one for
-this rule where the whole is concerned: the whole is not granted exclusively while
-another container holds one of its parts, nor a part while another holds the whole;
-two parts of one device may go to different containers. Holdings are keyed by what stays true of a
-device (Device.key: "<kind>=<UUID>", else its PCI bus id, else the name a spec gives it),
-never by an index that a renumbering can shift.
+devices, a Neuron device and its NeuronCores: Holdings.set_parts) count as one for this
+rule where the whole is concerned: the whole is not granted exclusively while another
+container holds one of its parts, nor a part while another holds the whole; two parts
+of one device may go to different containers. Holdings are keyed by what stays true of
+a device (Device.key: "<kind>=<UUID>", else its PCI bus id, else the name a spec gives
+it), never by an index that a renumbering can shift.
 
 A container's grant ends with StopContainer/RemoveContainer, with its pod sandbox
 (Stop/RemovePodSandbox: CRI-O sends nothing for a container whose `runc create` failed

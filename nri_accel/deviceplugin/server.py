@@ -322,7 +322,7 @@ class DevicePlugins:
     while the NRI side is away (see the module docstring).
 
     Runs on one asyncio loop: run() until a stop event (or start(), tick() and
-    poll_nri() every poll interval, stop()), update() with each new Inventory and
+    check_nri() every poll interval, stop()), update() with each new Inventory and
     set_health() with each health watch's map. A resource that cannot be served or
     registered is logged and retried with backoff (poll interval doubling up to 30 s);
     the others are not held back by it. `state_dir`: where `run` records its

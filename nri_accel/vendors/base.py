@@ -1,11 +1,12 @@
 """The vendor profile interface: what an accelerator family owns, and the types it uses.
 
 Owns: Profile (the base class every family subclasses), EnvAsk and EnvSource (what a
-family reads from a container's env), FamilyEdits (what a family adds for a selection)
-and the DriverFiles view of the edits catalog a family reads. Imports the standard
-library, nri_accel.config (types), nri_accel.errors, nri_accel.inventory,
-nri_accel.syntax and nri_accel.discover.base (Found). Pure, except discover() and
-probe(), which read the host through a HostRoot.
+family reads from a container's env), FamilyEdits (what a family adds for a selection),
+HealthWatch (what a family's health monitor is to the device plugin) and the DriverFiles
+view of the edits catalog a family reads. Imports the standard library,
+nri_accel.config (types), nri_accel.errors, nri_accel.inventory, nri_accel.syntax and
+nri_accel.discover.base (Found). Pure, except discover() and probe(), which read the
+host through a HostRoot, and health_monitor(), whose watch does.
 
 A family is everything nri-accel knows about one kind of accelerator. The generic stages
 (discover, request, policy, select, edits, the device plugin, explain) loop over the
