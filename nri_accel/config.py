@@ -40,6 +40,13 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
                                  # application XIDs 13, 31, 43, 45, 68, 109
     recheck_interval = 60.0      # seconds an unhealthy device stays quiet before a recheck
 
+    [device_plugin]              # how `device-plugin` advertises the devices to kubelet
+    mig_strategy = "mixed"       # none | single | mixed (NVIDIA's k8s-device-plugin names)
+    [device_plugin.resource_names]   # inventory kind -> kubelet resource ("" = none);
+    "nvidia.com/gpu" = "nri-accel.io/gpu"  # e.g. beside NVIDIA's device plugin
+    [device_plugin.replicas]     # resource -> time-slicing replicas (2 or more)
+    "nvidia.com/gpu" = 4
+
     [log]
     level = "info"               # debug, info, warning, error
     format = "auto"              # auto (JSON unless stderr is a TTY), json, console
@@ -85,6 +92,8 @@ DEFAULT_CONFIG_PATH = "/etc/nri-accel/config.toml"
 DEFAULT_STATE_DIR = "/run/nri-accel"
 
 _K8S_NS_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,11 +117,59 @@ class DevicesConfig:
     shared_kinds: frozenset[str] = frozenset()
 
 
+MIG_STRATEGIES = ("none", "single", "mixed")
+MAX_REPLICAS = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class DevicePluginConfig:
-    """[device_plugin]: how the kubelet device plugin advertises the devices."""
+    """[device_plugin]: how the kubelet device plugin advertises the devices.
+
+    mig_strategy: NVIDIA's (k8s-device-plugin): "none" advertises whole GPUs only,
+      "single" the MIG devices under the GPU resource where every GPU is in MIG mode
+      with one profile, "mixed" one resource per MIG profile (the NVIDIA profile,
+      nri_accel.vendors.nvidia, applies it).
+    resource_names: inventory kind -> the kubelet resource it is advertised as ("" = not
+      advertised); a kind not listed keeps its family's default name. Sorted pairs.
+    replicas: resource name (as advertised) -> time-slicing replicas: each device of
+      the resource is advertised that many times, as "<id>::<n>". Sorted pairs.
+    """
 
     mig_strategy: str = "mixed"
+    resource_names: tuple[tuple[str, str], ...] = ()
+    replicas: tuple[tuple[str, int], ...] = ()
+
+    def resource_name(self, kind: str, default: str | None = None) -> str:
+        """The resource `kind` is advertised as: the configured name, else `default`,
+        else the kind itself; "" when it is configured not to be advertised."""
+        for k, name in self.resource_names:
+            if k == kind:
+                return name
+        return kind if default is None else default
+
+    def replicas_of(self, resource: str) -> int:
+        """Time-slicing replicas of `resource`: 1 when it is not shared."""
+        for name, n in self.replicas:
+            if name == resource:
+                return n
+        return 1
+
+
+def extended_resource_name_error(name: str) -> str:
+    """Why kubelet would refuse `name` as an extended resource name ("" if it would not):
+    a DNS subdomain prefix outside kubernetes.io, "/", then a qualified name of 1-63
+    characters (k8s.io/apimachinery validation, IsExtendedResourceName)."""
+    prefix, sep, local = name.partition("/")
+    if not sep:
+        return f"resource name {name!r} has no domain prefix"
+    if len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix):
+        return f"resource name {name!r}: {prefix!r} is not a DNS subdomain"
+    if prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io"):
+        return f"resource name {name!r} is in the kubernetes.io domain"
+    if len(local) > 63 or not _QUALIFIED_NAME.match(local):
+        return (f"resource name {name!r}: {local!r} must be 1-63 letters, digits, '-', '_' "
+                "or '.', starting and ending with a letter or digit")
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +243,7 @@ def load_config(path: str | None) -> Config:
 def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     r = _Reader(data, path)
     tables = {"policy", "nri", "devices", "discovery", "health", "log", "metrics", "static",
-              "state_dir"}
+              "device_plugin", "state_dir"}
     r.no_unknown(data, tables, "")
     state_dir = r.get(data, "state_dir", str, DEFAULT_STATE_DIR)
     if not state_dir.startswith("/") or ".." in state_dir.split("/"):
@@ -246,6 +303,8 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     recheck = r.get(health, "health.recheck_interval", (int, float), 60.0)
     if recheck <= 0:
         raise ConfigError("must be > 0", source=r.src("health.recheck_interval"))
+
+    device_plugin = _device_plugin(r)
 
     log = r.table("log", {"level", "format"})
     level = r.get(log, "log.level", str, "info").lower()
@@ -307,9 +366,46 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
         log=LogConfig(level, fmt),
         metrics=MetricsConfig(metrics_address),
         static_devices=tuple(statics),
+        device_plugin=device_plugin,
         state_dir=state_dir,
         path=path,
     )
+
+
+def _device_plugin(r: _Reader) -> DevicePluginConfig:
+    dp = r.table("device_plugin", {"mig_strategy", "resource_names", "replicas"})
+    strategy = r.get(dp, "device_plugin.mig_strategy", str, "mixed")
+    if strategy not in MIG_STRATEGIES:
+        raise ConfigError(f"must be one of {', '.join(MIG_STRATEGIES)}, not {strategy!r}",
+                          source=r.src("device_plugin.mig_strategy"))
+    names = r.subtable(dp, "device_plugin.resource_names")
+    seen: dict[str, str] = {}
+    for kind, name in names.items():
+        where = r.src(f"device_plugin.resource_names.{kind}")
+        if not KIND_RE.fullmatch(kind):
+            raise ConfigError("the key must be a device kind (vendor/class) such as "
+                              "\"nvidia.com/gpu\"", source=where)
+        if not isinstance(name, str):
+            raise ConfigError(f"expected a string, got {type(name).__name__}", source=where)
+        if name:
+            why = extended_resource_name_error(name)
+            if why:
+                raise ConfigError(why, source=where)
+            if name in seen:
+                raise ConfigError(f"{name!r} is already the resource of {seen[name]!r}: "
+                                  "one resource per kind", source=where)
+            seen[name] = kind
+    replicas = r.subtable(dp, "device_plugin.replicas")
+    for name, n in replicas.items():
+        where = r.src(f"device_plugin.replicas.{name}")
+        why = extended_resource_name_error(name)
+        if why:
+            raise ConfigError(why, source=where)
+        if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_REPLICAS:
+            raise ConfigError(f"expected a number of replicas from 2 to {MAX_REPLICAS} "
+                              "(leave a resource out not to share it)", source=where)
+    return DevicePluginConfig(strategy, tuple(sorted(names.items())),
+                              tuple(sorted(replicas.items())))
 
 
 class _Reader:
@@ -332,6 +428,13 @@ class _Reader:
         if not isinstance(t, dict):
             raise ConfigError("must be a table", source=self.src(name))
         self.no_unknown(t, allowed, name)
+        return t
+
+    def subtable(self, table: dict[str, Any], key: str) -> dict[str, Any]:
+        """The table `key` (dotted, for messages) inside `table`; {} when absent."""
+        t = table.get(key.rsplit(".", 1)[-1], {})
+        if not isinstance(t, dict):
+            raise ConfigError("must be a table", source=self.src(key))
         return t
 
     def get(self, table: dict[str, Any], key: str, typ: Any, default: Any) -> Any:

@@ -4,7 +4,7 @@ Owns: Plan, Engine (per-inventory tables, the Holdings, planning, committing, re
 and restoring grants) and the grant annotations. Imports the standard library,
 nri_accel.config, nri_accel.container, nri_accel.edits, nri_accel.errors,
 nri_accel.inventory, nri_accel.log, nri_accel.policy, nri_accel.request,
-nri_accel.select and nri_accel.state.
+nri_accel.select, nri_accel.state and nri_accel.vendors (parent_of).
 
 plan() is the hot path: request parse, the trust policy, selection and edits are pure
 computation over frozen data and tables built once per inventory (in __init__ and
@@ -49,6 +49,7 @@ from nri_accel.policy import Policy, own_annotations
 from nri_accel.request import ANNOTATION_GRANTED, ANNOTATION_SHARED
 from nri_accel.select import DeviceIndex, select
 from nri_accel.state import Grant, Holdings
+from nri_accel.vendors import parent_of
 
 log = get_logger(__name__)
 
@@ -94,6 +95,7 @@ class Engine:
         self._lock = threading.Lock()
         self.holdings = Holdings()
         self._tables = self._compile(inventory)
+        self.holdings.set_parts(_parts(inventory))
 
     def _compile(self, inventory: Inventory) -> _Tables:
         return _Tables(DeviceIndex(inventory), compile_catalog(inventory, self._config.devices),
@@ -107,8 +109,10 @@ class Engine:
         """Use `inventory` from now on. Holdings are kept (they name devices by what
         stays true of them); a held device the new inventory lacks is logged."""
         tables = self._compile(inventory)
+        parts = _parts(inventory)
         with self._lock:
             self._tables = tables
+            self.holdings.set_parts(parts)
             gone = {key: g for g in self.holdings.grants() for key in g.exclusive
                     if key not in tables.index.by_key}
         for key, g in sorted(gone.items()):
@@ -204,6 +208,16 @@ class Engine:
         log.info("allocations_restored", containers=len(grants),
                  held=sum(len(g.exclusive) for g in grants),
                  released_not_running=len(dropped))
+
+
+def _parts(inventory: Inventory) -> dict[str, str]:
+    """Device.key of each part (a MIG device, a NeuronCore) -> that of its whole."""
+    out = {}
+    for d in inventory.devices:
+        whole = parent_of(d, inventory)
+        if whole is not None:
+            out[d.key] = whole.key
+    return out
 
 
 def grant_annotations(grant: Grant) -> Mapping[str, str]:

@@ -13,9 +13,13 @@ count or CDI request is held *exclusively* while that container exists; a device
 only through `all`, through a kubelet time-slicing replica, or of a kind the configuration
 shares is used *shared*, holds nothing and is never refused for being held. An exclusive
 grant of a device another container holds is refused (AllocationError) naming that
-container; counts never choose a held device. Holdings are keyed by what stays true of a
-device (Device.key: "<kind>=<UUID>", else its PCI bus id, else the name a spec gives it),
-never by an index that a renumbering can shift.
+container; counts never choose a held device. A device and its parts (a GPU and its MIG
+devices, a Neuron device and its NeuronCores: Holdings.set_parts) count as one for this
+rule where the whole is concerned: the whole is not granted exclusively while another
+container holds one of its parts, nor a part while another holds the whole; two parts
+of one device may go to different containers. Holdings are keyed by what stays true of
+a device (Device.key: "<kind>=<UUID>", else its PCI bus id, else the name a spec gives
+it), never by an index that a renumbering can shift.
 
 A container's grant ends with StopContainer/RemoveContainer, with its pod sandbox
 (Stop/RemovePodSandbox: CRI-O sends nothing for a container whose `runc create` failed
@@ -122,7 +126,29 @@ class Holdings:
     _grants: dict[str, Grant] = field(default_factory=dict)
     _holders: dict[str, set[str]] = field(default_factory=dict)  # key -> container ids
     _by_name: dict[tuple[str, str], str] = field(default_factory=dict)  # (pod, name) -> id
+    _whole: dict[str, str] = field(default_factory=dict)  # part key -> whole key
+    _parts: dict[str, frozenset[str]] = field(default_factory=dict)  # whole -> part keys
     version: int = 0  # bumped on every change (the checkpoint writer's cue)
+
+    def set_parts(self, parts: Mapping[str, str]) -> None:
+        """Which device is a part of which (part key -> whole key), for the rule in the
+        module docstring: set from each inventory (the Engine does), kept apart from the
+        grants, which name devices only by key."""
+        wholes: dict[str, set[str]] = {}
+        for part, whole in parts.items():
+            wholes.setdefault(whole, set()).add(part)
+        self._whole = dict(parts)
+        self._parts = {w: frozenset(p) for w, p in wholes.items()}
+
+    def _related(self, key: str) -> tuple[tuple[str, str], ...]:
+        """(key, how) of `key` itself, its whole and its parts: the keys whose holders
+        an exclusive grant of `key` conflicts with."""
+        out = [(key, "")]
+        whole = self._whole.get(key)
+        if whole is not None:
+            out.append((whole, f" (its device {whole})"))
+        out.extend((p, f" (its part {p})") for p in sorted(self._parts.get(key, ())))
+        return tuple(out)
 
     # ---- reading -----------------------------------------------------------------------
 
@@ -153,11 +179,19 @@ class Holdings:
         return frozenset(out)
 
     def busy(self, grant: Grant) -> dict[str, str]:
-        """Keys held exclusively by containers other than those `grant` replaces, each
-        with who holds it (for messages)."""
+        """Keys held exclusively by containers other than those `grant` replaces, and
+        the wholes and parts of those keys, each with who holds it (for messages)."""
         mine = self.replaced(grant)
-        return {k: _listed(self._grants[i] for i in ids if i not in mine)
-                for k, ids in self._holders.items() if not ids <= mine}
+        out = {k: _listed(self._grants[i] for i in ids if i not in mine)
+               for k, ids in self._holders.items() if not ids <= mine}
+        if self._whole and out:
+            for key, who in list(out.items()):
+                whole = self._whole.get(key)
+                if whole is not None:
+                    out.setdefault(whole, f"{who}, which holds its part {key}")
+                for part in self._parts.get(key, ()):
+                    out.setdefault(part, f"{who}, which holds its device {key}")
+        return out
 
     def require_known(self, source: str) -> None:
         """StateError naming `source` (a count's) while the state is unknown."""
@@ -173,9 +207,11 @@ class Holdings:
         mine = self.replaced(grant)
         conflicts: dict[str, list[Grant]] = {}
         for key in sorted(grant.exclusive):
-            others = [self._grants[i] for i in self._holders.get(key, ()) if i not in mine]
-            if others:
-                conflicts[key] = others
+            for related, how in self._related(key):
+                others = [self._grants[i] for i in self._holders.get(related, ())
+                          if i not in mine]
+                if others:
+                    conflicts.setdefault(key + how, []).extend(others)
         if conflicts:
             shown = "; ".join(f"{k} is held by {_listed(g)}" for k, g in conflicts.items())
             raise AllocationError(f"{shown}: a device is granted to one running container "

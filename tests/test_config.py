@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from nri_accel.config import Config, HealthConfig, load_config, parse_config
+from nri_accel.config import (
+    Config,
+    DevicePluginConfig,
+    HealthConfig,
+    load_config,
+    parse_config,
+)
 from nri_accel.errors import ConfigError
 
 
@@ -39,6 +45,13 @@ ignored_xids = [48, 63]
 recheck_interval = 5
 [log]
 level = "DEBUG"
+[device_plugin]
+mig_strategy = "single"
+[device_plugin.resource_names]
+"nvidia.com/gpu" = "nri-accel.io/gpu"
+"aws.amazon.com/neuroncore" = ""
+[device_plugin.replicas]
+"nri-accel.io/gpu" = 4
 [[static.devices]]
 kind = "acme.example/npu"
 name = "npu0"
@@ -55,7 +68,20 @@ env = ["ACME=1"]
     assert cfg.health == HealthConfig(False, frozenset({48, 63}), 5.0)
     assert cfg.log.level == "debug"
     assert cfg.static_devices[0].device_nodes == ("/dev/npu0",)
+    assert cfg.device_plugin == DevicePluginConfig(
+        "single", (("aws.amazon.com/neuroncore", ""), ("nvidia.com/gpu", "nri-accel.io/gpu")),
+        (("nri-accel.io/gpu", 4),))
+    dp = cfg.device_plugin
+    assert (dp.resource_name("nvidia.com/gpu"), dp.resource_name("nvidia.com/mig"),
+            dp.resource_name("aws.amazon.com/neuroncore")) == ("nri-accel.io/gpu",
+                                                                "nvidia.com/mig", "")
+    assert (dp.replicas_of("nri-accel.io/gpu"), dp.replicas_of("nvidia.com/gpu")) == (4, 1)
     assert cfg.path == str(p)
+
+
+def test_device_plugin_defaults() -> None:
+    assert parse_config({"device_plugin": {}}).device_plugin == DevicePluginConfig()
+    assert DevicePluginConfig().mig_strategy == "mixed"
 
 
 @pytest.mark.parametrize(
@@ -85,6 +111,26 @@ env = ["ACME=1"]
          "static.devices[0].device_nodes: 'dev/npu0' must be an absolute path"),
         ({"static": {"devices": [{"kind": "a.b/c", "name": "x", "env": ["NOVALUE"]}]}},
          "KEY=VALUE"),
+        ({"device_plugin": {"mig_strategy": "auto"}},
+         "device_plugin.mig_strategy: must be one of none, single, mixed"),
+        ({"device_plugin": {"migStrategy": "none"}}, "device_plugin.migStrategy: unknown key"),
+        ({"device_plugin": {"resource_names": {"gpu": "a.io/gpu"}}},
+         "device_plugin.resource_names.gpu: the key must be a device kind"),
+        ({"device_plugin": {"resource_names": {"nvidia.com/gpu": "gpu"}}},
+         "has no domain prefix"),
+        ({"device_plugin": {"resource_names": {"nvidia.com/gpu": "kubernetes.io/gpu"}}},
+         "in the kubernetes.io domain"),
+        ({"device_plugin": {"resource_names": {"nvidia.com/gpu": 1}}}, "expected a string"),
+        ({"device_plugin": {"resource_names": {"nvidia.com/gpu": "a.io/x",
+                                               "acme.example/npu": "a.io/x"}}},
+         "one resource per kind"),
+        ({"device_plugin": {"resource_names": "nvidia.com/gpu"}},
+         "device_plugin.resource_names: must be a table"),
+        ({"device_plugin": {"replicas": {"nvidia.com/gpu": 1}}},
+         "device_plugin.replicas.nvidia.com/gpu: expected a number of replicas from 2"),
+        ({"device_plugin": {"replicas": {"nvidia.com/gpu": True}}}, "number of replicas"),
+        ({"device_plugin": {"replicas": {"nvidia.com/gpu": 5000}}}, "from 2 to 1024"),
+        ({"device_plugin": {"replicas": {"Nvidia/gpu": 2}}}, "not a DNS subdomain"),
     ],
 )
 def test_errors_name_the_key(data, fragment) -> None:
@@ -126,3 +172,4 @@ def test_shipped_example_config_is_valid() -> None:
 
     example = Path(__file__).resolve().parents[1] / "deploy" / "config.toml"
     assert load_config(str(example)) == Config(path=str(example))
+

@@ -8,10 +8,6 @@ read, and holds no privilege or host path that is not explained here.
   a kubectl that does not render is a failure, never a skip.
 - The example pods get what they ask for, through `nri-accel explain`.
 - The systemd units and the image's Dockerfile.
-
-Issue #7 adds a `[device_plugin]` config table. Until this build has it, the checks leave
-the table out (PENDING_CONFIG_TABLES); once it has it, parse_config reads it like
-everything else, and the strict xfail test below fails to say that the shim can go.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ from nri_accel import __version__
 from nri_accel.cli import build_parser
 from nri_accel.config import Config, parse_config
 from nri_accel.deviceplugin.resources import resources_from_inventory
-from nri_accel.errors import ConfigError
 from nri_accel.inventory import Inventory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,9 +43,8 @@ EXAMPLES = K8S / "examples"
 DEMO_INVENTORY = REPO / "nri_accel" / "demo" / "inventory.json"
 KUBECTL_ENV = "NRI_ACCEL_KUBECTL"
 
-# --- the shim for issue #7 ---------------------------------------------------------------
-
-PENDING_CONFIG_TABLES = frozenset({"device_plugin"})
+# The annotation key the runtime drop-ins configure (tolerate_missing_plugins_annotation).
+TOLERATE_MISSING_PLUGINS = "tolerate-missing-plugins.nri.io"
 
 
 def parse_cli(argv: Sequence[str]) -> dict[str, Any]:
@@ -64,34 +58,15 @@ def parse_cli(argv: Sequence[str]) -> dict[str, Any]:
     return vars(args)
 
 
-def _config_has_table(table: str) -> bool:
-    try:
-        parse_config({table: {}})
-    except ConfigError:
-        return False
-    return True
-
-
 def load_config_text(text: str) -> Config:
-    """A config.toml as the daemons read it (a PENDING_CONFIG_TABLES table this build
-    does not know yet is left out)."""
-    data = tomllib.loads(text)
-    for table in PENDING_CONFIG_TABLES & data.keys():
-        if not _config_has_table(table):
-            del data[table]
-    return parse_config(data)
+    """A config.toml as the daemons read it."""
+    return parse_config(tomllib.loads(text))
 
 
 @pytest.mark.parametrize("verb", ["run", "device-plugin"])
 def test_run_and_device_plugin_take_the_state_dir_and_metrics_flags(verb: str) -> None:
     argv = [verb, "--state-dir", "/run/nri-accel", "--metrics-address", "127.0.0.1:9479"]
     assert build_parser().parse_known_args(argv)[1] == []
-
-
-@pytest.mark.xfail(strict=True, reason="issue #7 adds it; once it has, remove this marker "
-                   "and PENDING_CONFIG_TABLES")
-def test_the_config_takes_a_device_plugin_table() -> None:
-    assert _config_has_table("device_plugin")
 
 
 # --- what may be granted, and why ----------------------------------------------------------
@@ -269,7 +244,9 @@ def check_metrics(docs: list[dict[str, Any]]) -> None:
                           "readinessProbe": "/readyz"}
         assert template["metadata"]["annotations"] == {
             "prometheus.io/scrape": "true", "prometheus.io/port": str(port),
-            "prometheus.io/path": "/metrics"}
+            "prometheus.io/path": "/metrics",
+            # the runtime's NRI validator, with required_plugins, must let them start
+            TOLERATE_MISSING_PLUGINS: "true"}
 
 
 def check_host_paths(docs: list[dict[str, Any]]) -> None:
@@ -376,8 +353,6 @@ def test_no_file_under_deploy_kubernetes_mounts_a_host_path_not_allowed() -> Non
                 assert host_path in HOST_PATHS, f"{path}: hostPath {host_path}"
 
 
-@pytest.mark.xfail(not _config_has_table("device_plugin"), strict=True,
-                   reason="issue #7: parse_config has no [device_plugin] table yet")
 def test_the_migration_overlay_advertises_no_nvidia_resource_name() -> None:
     text = (OVERLAYS / "nvidia-migration" / "config.toml").read_text()
     config = parse_config(tomllib.loads(text))  # every key, the [device_plugin] table too
@@ -565,3 +540,25 @@ def test_the_image_is_built_in_stages_from_a_base_pinned_by_digest() -> None:
     assert "RUN" not in final, "the final stage copies the built environment, nothing else"
     (user,) = [rest for instruction, rest in lines[last:] if instruction == "USER"]
     assert user.split(":")[0] not in ("0", "root")
+
+
+def _commented_table(path: Path, header: str) -> dict[str, Any]:
+    """The TOML table a drop-in shows commented out, from `# <header>` on, uncommented."""
+    lines = path.read_text().splitlines()
+    start = lines.index(f"# {header}")
+    return tomllib.loads("\n".join(line.removeprefix("#").strip() for line in lines[start:]))
+
+
+def test_the_runtime_drop_ins_show_the_validator_that_requires_nri_accel() -> None:
+    # The keys are upstream's: containerd's [plugins."io.containerd.nri.v1.nri"]
+    # default_validator (nri plugins/default-validator DefaultValidatorConfig), CRI-O's
+    # [crio.nri.default_validator]; the toleration key is the one the DaemonSets carry.
+    containerd = _commented_table(DEPLOY / "containerd" / "nri-accel.toml",
+                                  '[plugins."io.containerd.nri.v1.nri".default_validator]')
+    assert containerd == {"plugins": {"io.containerd.nri.v1.nri": {"default_validator": {
+        "enable": True, "required_plugins": ["nri-accel"],
+        "tolerate_missing_plugins_annotation": TOLERATE_MISSING_PLUGINS}}}}
+    crio = _commented_table(DEPLOY / "crio" / "10-nri-accel.conf", "[crio.nri.default_validator]")
+    assert crio == {"crio": {"nri": {"default_validator": {
+        "nri_enable_default_validator": True, "nri_validator_required_plugins": ["nri-accel"],
+        "nri_validator_tolerate_missing_plugins_annotation": TOLERATE_MISSING_PLUGINS}}}}

@@ -164,7 +164,7 @@ def test_each_process_exports_its_own_metrics_and_no_created_series() -> None:
               "nri_accel_request_duration_seconds_sum", "nri_accel_inventory_refreshes_total"}
     # nri_accel_devices and nri_accel_kubelet_registered have no series until set
     assert _names(run) == common | {"nri_accel_runtime_connected", "nri_accel_reconnects_total"}
-    assert _names(plugin) == common
+    assert _names(plugin) == common | {"nri_accel_nri_plugin_registered"}
     assert {dict(k)["event"] for k in plugin.labelled("nri_accel_requests_total")} == set(
         DEVICE_PLUGIN_EVENTS)
     assert "# TYPE nri_accel_devices gauge" in run.text

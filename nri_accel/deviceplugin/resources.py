@@ -5,19 +5,29 @@ choice of a preferred allocation, and the trusted grant annotation that Allocate
 (its key and value; nri_accel.request reads it back). Pure functions over
 frozen dataclasses: no grpc, no I/O. Imports the standard library, nri_accel.config,
 nri_accel.errors, nri_accel.inventory, nri_accel.request (the grant annotation key),
-nri_accel.topology (the choice itself, shared with the Engine) and nri_accel.vendors
-(each family's resource names), never grpc.
+nri_accel.select (the replica ID separator), nri_accel.topology (the choice itself,
+shared with the Engine) and nri_accel.vendors (each family's resource names), never
+grpc.
 
 Resources (one kubelet device plugin each) are what each family's profile names
-(nri_accel.vendors.base, Profile.resources):
-- NVIDIA: `nvidia.com/gpu` for whole GPUs, except those in MIG mode, which are handed
-  out only as their MIG devices, `nvidia.com/mig-<profile>` (e.g. `nvidia.com/mig-1g.10gb`;
-  `nvidia.com/mig-1g.10gb.me` for the media-extension profile `1g.10gb+me`);
-- every other family its kinds: `aws.amazon.com/neuron`, CDI and static kinds.
+(nri_accel.vendors.base, Profile.resources and check_resources) under [device_plugin]:
+- NVIDIA, by mig_strategy: `nvidia.com/gpu` for whole GPUs; a GPU in MIG mode only as
+  its MIG devices, `nvidia.com/mig-<profile>` (mixed, the default: e.g.
+  `nvidia.com/mig-1g.10gb`, `nvidia.com/mig-1g.10gb.me` for the media-extension profile
+  `1g.10gb+me`) or `nvidia.com/gpu` (single); none: whole GPUs only;
+- every other family its kinds: `aws.amazon.com/neuron` and `aws.amazon.com/neuroncore`,
+  CDI and static kinds;
+- resource_names renames any kind (`nvidia.com/gpu` -> `nri-accel.io/gpu` beside
+  NVIDIA's plugin; the MIG resources take the name of `nvidia.com/mig` + "-<profile>"),
+  "" leaves a kind out.
 A device's kubelet ID is what stays true of it (Device.stable_id: its UUID, else its PCI
-bus id, else its name), never an index a renumbering could shift. Anything that cannot
-be advertised (no MIG profile, a name kubelet would refuse, an ID over 63 characters) is
-left out with a Problem naming it.
+bus id, else its name), never an index a renumbering could shift. With time-slicing
+(`replicas` N for a resource) each device is advertised N times, as "<id>::<n>" for n
+in 0..N-1 (NVIDIA's annotated IDs); the grant names the replica, which `run` resolves to
+the device, used shared (nri_accel.select). Anything that cannot be advertised (no MIG
+profile, a name kubelet would refuse, an ID over 63 characters, an ID the resource has
+already) is left out with a Problem naming it. A device is Unhealthy when the inventory
+says so or a health watch does (`unhealthy`, Device.key -> reason).
 
 The grant: kubelet copies the annotations of each Allocate response into the container's
 CRI annotations, where pod authors cannot write. When a container uses two resources,
@@ -31,24 +41,27 @@ annotations.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from nri_accel.config import Config
+from nri_accel.config import Config, extended_resource_name_error
 from nri_accel.errors import AllocationError
 from nri_accel.inventory import Device, Inventory, Problem
 from nri_accel.request import GRANT_KEY_PREFIX
+from nri_accel.select import REPLICA_SEPARATOR
 from nri_accel.topology import Topology, choose
-from nri_accel.vendors import family_of
+from nri_accel.vendors import PROFILES, family_of, parent_of
+
+__all__ = [
+    "HEALTHY", "MAX_DEVICE_ID", "UNHEALTHY", "Grant", "PluginDevice", "Resource", "allocate",
+    "extended_resource_name_error", "grant_annotation_key", "preferred_allocation",
+    "resources_from_inventory",
+]
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
-
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +82,7 @@ class Resource:
 
     name: str  # "nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "aws.amazon.com/neuron"
     devices: tuple[PluginDevice, ...] = ()
+    replicas: int = 1  # time-slicing: each device advertised this many times
     _by_id: Mapping[str, int] = field(
         default_factory=lambda: MappingProxyType({}), compare=False, repr=False
     )
@@ -111,81 +125,97 @@ class Grant:
 
 
 def resources_from_inventory(
-    inventory: Inventory, config: Config
+    inventory: Inventory, config: Config, unhealthy: Mapping[str, str] | None = None
 ) -> tuple[tuple[Resource, ...], tuple[Problem, ...]]:
     """The resources to advertise, sorted by name, and the devices left out (why).
 
-    With `config.devices.cdi_passthrough`, devices from CDI specs also carry their CDI
-    name for Allocate's cdi_devices (static devices have no spec a runtime could read).
+    `unhealthy`: Device.key -> reason of devices a health watch found unhealthy, on top
+    of those the inventory marks. With `config.devices.cdi_passthrough`, devices from
+    CDI specs also carry their CDI name for Allocate's cdi_devices (static devices have
+    no spec a runtime could read).
     """
+    settings = config.device_plugin
+    unhealthy = unhealthy or {}
     static = {(s.kind, s.name) for s in config.static_devices}
     passthrough = config.devices.cdi_passthrough
-    grouped: dict[str, list[Device]] = {}
-    problems: list[Problem] = []
-    for dev in inventory.devices:
+    refused = {}  # family -> why none of its devices is advertised
+    for profile in PROFILES:
+        mine = [d for d in inventory.devices if family_of(d.kind) is profile]
         try:
-            names = family_of(dev.kind).resources(dev, config.device_plugin)
+            if mine:
+                profile.check_resources(mine, settings)
+        except ValueError as e:
+            refused[profile.name] = str(e)
+    grouped: dict[str, list[Device]] = {}
+    problems = [Problem(family, f"no device advertised to kubelet: {why}")
+                for family, why in sorted(refused.items())]
+    for dev in inventory.devices:
+        family = family_of(dev.kind)
+        if family.name in refused:
+            continue
+        try:
+            names = family.resources(dev, settings)
         except ValueError as e:
             problems.append(Problem(dev.qualified_name, f"not advertised to kubelet: {e}"))
             continue
         for name in names:
             why = extended_resource_name_error(name)
+            longest = dev.stable_id + _replica_suffix(settings.replicas_of(name), -1)
+            if not why and len(longest) > MAX_DEVICE_ID:
+                why = (f"device ID {longest!r} is longer than {MAX_DEVICE_ID} "
+                       "characters")
             if why:
                 problems.append(Problem(dev.qualified_name, f"not advertised to kubelet: {why}"))
-                continue
-            if len(dev.stable_id) > MAX_DEVICE_ID:
-                problems.append(Problem(dev.qualified_name, f"not advertised to kubelet: "
-                                        f"device ID {dev.stable_id!r} is longer than "
-                                        f"{MAX_DEVICE_ID} characters"))
                 continue
             grouped.setdefault(name, []).append(dev)
 
     resources = []
     for name in sorted(grouped):
-        devs = grouped[name]
-        ids = {d.name: d.stable_id for d in devs}  # in inventory order
+        devs = []
+        ids: dict[str, str] = {}  # device name -> ID, in inventory order
+        owner: dict[str, Device] = {}
+        for d in grouped[name]:
+            other = owner.get(d.stable_id)
+            if other is not None:
+                problems.append(Problem(d.qualified_name, (
+                    f"not advertised to kubelet: {name} has a device with ID "
+                    f"{d.stable_id!r} already ({other.qualified_name})")))
+                continue
+            owner[d.stable_id] = d
+            ids[d.name] = d.stable_id
+            devs.append(d)
         pos = {n: k for k, n in enumerate(ids)}
+        replicas = settings.replicas_of(name)
         plugin_devices = []
         for d in devs:
             cdi = (passthrough and not family_of(d.kind).native
                    and (d.kind, d.name) not in static)
             peers = sorted({p for p in d.links if p in ids and p != d.name}, key=pos.__getitem__)
-            plugin_devices.append(PluginDevice(
-                id=ids[d.name],
-                qualified_name=f"{d.kind}={ids[d.name]}",
-                healthy=d.healthy,
-                numa_node=_numa_node(d, inventory),
-                links=tuple(ids[p] for p in peers),
-                cdi_name=d.qualified_name if cdi else "",
-            ))
-        resources.append(Resource(name, tuple(plugin_devices)))
+            for n in range(replicas):
+                suffix = _replica_suffix(replicas, n)
+                plugin_devices.append(PluginDevice(
+                    id=ids[d.name] + suffix,
+                    qualified_name=f"{d.kind}={ids[d.name]}{suffix}",
+                    healthy=d.healthy and d.key not in unhealthy,
+                    numa_node=_numa_node(d, inventory),
+                    links=() if replicas > 1 else tuple(ids[p] for p in peers),
+                    cdi_name=d.qualified_name if cdi else "",
+                ))
+        resources.append(Resource(name, tuple(plugin_devices), replicas))
     return tuple(resources), tuple(problems)
 
 
-def extended_resource_name_error(name: str) -> str:
-    """Why kubelet would refuse `name` as an extended resource name ("" if it would not)."""
-    prefix, sep, local = name.partition("/")
-    if not sep:
-        return f"resource name {name!r} has no domain prefix"
-    if len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix):
-        return f"resource name {name!r}: {prefix!r} is not a DNS subdomain"
-    if prefix == "kubernetes.io" or prefix.endswith(".kubernetes.io"):
-        return f"resource name {name!r} is in the kubernetes.io domain"
-    if len(local) > 63 or not _QUALIFIED_NAME.match(local):
-        return (f"resource name {name!r}: {local!r} must be 1-63 letters, digits, '-', '_' "
-                "or '.', starting and ending with a letter or digit")
-    return ""
+def _replica_suffix(replicas: int, n: int) -> str:
+    """"::<n>" (n = -1: the last), what replica n's ID adds; "" without replicas."""
+    return f"{REPLICA_SEPARATOR}{n % replicas}" if replicas > 1 else ""
 
 
 def _numa_node(dev: Device, inventory: Inventory) -> int | None:
     """The device's NUMA node, else its parent's (a MIG device's GPU)."""
     if dev.numa_node is not None or not dev.parent:
         return dev.numa_node
-    for kind in family_of(dev.kind).kinds:
-        parent = inventory.find(kind, dev.parent)
-        if parent is not None and parent is not dev:
-            return parent.numa_node
-    return None
+    parent = parent_of(dev, inventory)
+    return parent.numa_node if parent is not None else None
 
 
 # ---- Allocate -----------------------------------------------------------------------
@@ -232,10 +262,41 @@ def preferred_allocation(
     """
     must = list(dict.fromkeys(must_include))
     unknown = [i for i in must if resource.device(i) is None]
-    chosen = choose(
-        resource.topology,
-        [resource.position(i) for i in available if resource.device(i) is not None],
-        size - len(unknown),
-        [resource.position(i) for i in must if resource.device(i) is not None],
-    )
+    free = [resource.position(i) for i in dict.fromkeys(available)
+            if resource.device(i) is not None]
+    known_must = [resource.position(i) for i in must if resource.device(i) is not None]
+    if resource.replicas > 1:
+        chosen = _spread(resource, free, size - len(unknown), known_must)
+    else:
+        chosen = choose(resource.topology, free, size - len(unknown), known_must)
     return tuple(resource.devices[p].id for p in chosen) + tuple(unknown)
+
+
+def _spread(resource: Resource, free: Sequence[int], size: int,
+            must: Sequence[int]) -> list[int]:
+    """Time-slicing replicas: the must-include ones, then one at a time from the device
+    with the fewest replicas in this allocation and, among those, the most replicas
+    free (the least shared, as NVIDIA's replicated allocation spreads them), earliest
+    in inventory order. Positions, sorted."""
+    chosen = list(dict.fromkeys(must))
+    taken = set(chosen)
+    pool: dict[str, list[int]] = {}  # device ID -> free replica positions, in order
+    for p in sorted(set(free) - taken):
+        pool.setdefault(_base_id(resource.devices[p].id), []).append(p)
+    used = {b: 0 for b in pool}
+    for p in chosen:
+        base = _base_id(resource.devices[p].id)
+        used[base] = used.get(base, 0) + 1
+    first = {b: ps[0] for b, ps in pool.items()}
+    while len(chosen) < size and pool:
+        base = min(pool, key=lambda b: (used[b], -len(pool[b]), first[b]))
+        chosen.append(pool[base].pop(0))
+        used[base] += 1
+        if not pool[base]:
+            del pool[base]
+    return sorted(chosen)
+
+
+def _base_id(device_id: str) -> str:
+    base, sep, n = device_id.rpartition(REPLICA_SEPARATOR)
+    return base if sep and n.isdigit() else device_id

@@ -2,10 +2,13 @@
 
 Owns: one gRPC server per resource on a unix socket in the kubelet device-plugin
 directory, registration with kubelet, re-registration when kubelet restarts, inventory
-updates streamed to kubelet, clean shutdown. Imports grpc (nri_accel/deviceplugin is the
-only package that does) and the generated deviceplugin_pb2/_grpc, nri_accel.deviceplugin
-.resources (the pure decisions), config, errors, inventory, log; nri_accel.discover
-(discovery, the Refresher) lazily, when run from the command line or with a root.
+and health updates streamed to kubelet, failing closed while the NRI side is away, the
+health watches, the metrics of the process, clean shutdown. Imports grpc
+(nri_accel/deviceplugin is the only package that does) and the generated
+deviceplugin_pb2/_grpc, nri_accel.deviceplugin.resources (the pure decisions), app,
+config, errors, inventory, log, metrics (the recorders; its server module only when
+metrics are on), state (NriStatus) and vendors (each family's health watch);
+nri_accel.discover (the Refresher) lazily, when run with a root.
 
 Protocol (kubelet device plugin API v1beta1): for each resource the plugin serves
 DevicePlugin on `<kubelet dir>/nri-accel-<vendor>_<name>.sock`, then calls Register on
@@ -14,8 +17,36 @@ resource name, options); kubelet connects back and keeps a ListAndWatch stream o
 When kubelet restarts it deletes every socket in its directory and creates kubelet.sock
 anew: a poll (one stat of kubelet.sock and of each plugin socket per interval) notices
 either, serves again on a fresh socket where it was deleted and registers again.
+
 Allocate answers only the grant annotation (and CDI device names with
-devices.cdi_passthrough): the NRI plugin injects everything else.
+devices.cdi_passthrough, for CDI-family devices): `run` injects everything else, so no
+device reaches a container without the NRI side's own checks (holdings, health, trust).
+Neither DeviceSpecs nor env are answered: a DeviceSpec makes the runtime add the node
+even when `run` is down, outside those checks, and kubelet merges the env of every
+resource of a container by key, so a visibility variable from two resources would keep
+one resource's devices, which `run` then reads as a narrowing.
+
+Fails closed: `run` records its registration with the runtime in
+`<state dir>/nri-plugin.json` (nri_accel.state.NriStatus, written every 2 s). It is
+read every poll interval (1 s) and at each Allocate and PreStartContainer. While it is
+absent, stale (10 s) or not registered:
+- ListAndWatch reports every device Unhealthy, so kubelet admits no new pod asking for
+  one (a pod already admitted keeps its devices: kubelet does not re-Allocate);
+- Allocate fails with FAILED_PRECONDITION and the reason (kubelet fails the pod's
+  admission: UnexpectedAdmissionError);
+- PreStartContainer fails the same way. The plugin registers with pre_start_required,
+  so kubelet calls it for every container start, after pulling the image and right
+  before the runtime's CreateContainer (kubelet's GetDeviceRunContainerOptions); a
+  failure fails that start (CreateContainerConfigError) and kubelet retries it with
+  backoff. This shrinks the window between Allocate and CreateContainer to the time
+  between these two calls; only the runtime can close it (README, "Operating it": NRI's
+  default validator with required_plugins).
+Devices turn Healthy at the first poll that finds `run` registered again.
+
+Health: a device is Unhealthy when the inventory says so (Device.healthy) or its
+family's health watch does (Profile.health_monitor: NVIDIA's NVML events, when
+[health] enabled and the node has GPUs). Watches run only for a discovered node (--root),
+restarted when a refresh changes the family's devices (their marks start over).
 """
 
 from __future__ import annotations
@@ -26,8 +57,9 @@ import contextlib
 import os
 import signal
 import stat
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -46,16 +78,24 @@ from nri_accel.deviceplugin.resources import (
 from nri_accel.errors import AllocationError, ConfigError
 from nri_accel.inventory import Inventory
 from nri_accel.log import get_logger
+from nri_accel.metrics import DEVICE_PLUGIN_EVENTS, ERROR, OK, REFUSED, RequestRecorder
+from nri_accel.state import NriStatus
+from nri_accel.vendors import PROFILES, family_of
+from nri_accel.vendors.base import HealthWatch
 
 if TYPE_CHECKING:  # importing nri_accel.discover would load every discoverer
     from nri_accel.discover.hostroot import HostRoot
+    from nri_accel.discover.watch import Refresher
+    from nri_accel.metrics import Address
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 _SUN_PATH_MAX = 107  # bytes of a unix socket path, without the terminating NUL
 _MAX_RETRY_DELAY = 30.0  # seconds between registration attempts at most
+# pre_start_required: kubelet calls PreStartContainer before each container start,
+# where the plugin fails closed once more (see the module docstring).
 _OPTIONS = pb2.DevicePluginOptions(
-    pre_start_required=False, get_preferred_allocation_available=True
+    pre_start_required=True, get_preferred_allocation_available=True
 )
 
 log = get_logger(__name__)
@@ -72,29 +112,67 @@ def _socket_id(path: str) -> _SocketId | None:
     return (st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
 
 
-def _device_list(resource: Resource) -> pb2.ListAndWatchResponse:
+def _device_list(resource: Resource, closed: bool) -> pb2.ListAndWatchResponse:
     out = pb2.ListAndWatchResponse()
     for d in resource.devices:
-        dev = out.devices.add(ID=d.id, health=HEALTHY if d.healthy else UNHEALTHY)
+        healthy = d.healthy and not closed
+        dev = out.devices.add(ID=d.id, health=HEALTHY if healthy else UNHEALTHY)
         if d.numa_node is not None:
             dev.topology.nodes.add(ID=d.numa_node)
     return out
 
 
-class _Servicer(pb2_grpc.DevicePluginServicer):
-    """The DevicePlugin service of one resource; reads the endpoint's current Resource."""
+class _Refused(Exception):
+    """A request answered with an error status (recorded as refused)."""
 
-    def __init__(self, endpoint: _Endpoint) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Servicer(pb2_grpc.DevicePluginServicer):
+    """The DevicePlugin service of one resource; reads the endpoint's current Resource,
+    asks the DevicePlugins whether the NRI side is there, records each request."""
+
+    def __init__(self, endpoint: _Endpoint, plugins: DevicePlugins) -> None:
         self._endpoint = endpoint
+        self._plugins = plugins
 
     async def GetDevicePluginOptions(self, request, context):
         return _OPTIONS
 
     async def ListAndWatch(self, request, context):
-        async for resource in self._endpoint.watch():
-            yield _device_list(resource)
+        async for resource, closed in self._endpoint.watch():
+            yield _device_list(resource, closed)
 
     async def GetPreferredAllocation(self, request, context):
+        return await self._answer("get_preferred_allocation", context,
+                                  self._preferred, request)
+
+    async def Allocate(self, request, context):
+        return await self._answer("allocate", context, self._allocate, request)
+
+    async def PreStartContainer(self, request, context):
+        return await self._answer("pre_start_container", context, self._pre_start, request)
+
+    async def _answer(self, event: str, context: Any, handler: Any, request: Any) -> Any:
+        started = time.perf_counter()
+        recorder = self._plugins.recorders[event]
+        try:
+            response = handler(request)
+        except _Refused as e:
+            recorder.record(REFUSED, time.perf_counter() - started)
+            await context.abort(e.code, e.message)
+        except Exception as e:  # a defect: kubelet gets a status that says so
+            recorder.record(ERROR, time.perf_counter() - started)
+            log.exception("request_failed", request=event,
+                          resource=self._endpoint.resource.name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"nri-accel internal error: {e}")
+        recorder.record(OK, time.perf_counter() - started)
+        return response
+
+    def _preferred(self, request: Any) -> pb2.PreferredAllocationResponse:
         resource = self._endpoint.resource
         out = pb2.PreferredAllocationResponse()
         for creq in request.container_requests:
@@ -103,15 +181,17 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
             out.container_responses.add(deviceIDs=ids)
         return out
 
-    async def Allocate(self, request, context):
+    def _allocate(self, request: Any) -> pb2.AllocateResponse:
         resource = self._endpoint.resource
+        self._require_nri("allocate_refused", resource.name,
+                          [list(c.devices_ids) for c in request.container_requests])
         out = pb2.AllocateResponse()
         for creq in request.container_requests:
             try:
                 grant = allocate(resource, creq.devices_ids)
             except AllocationError as e:
                 log.warning("allocate_refused", resource=resource.name, error=str(e))
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+                raise _Refused(grpc.StatusCode.NOT_FOUND, str(e)) from e
             resp = out.container_responses.add()
             resp.annotations.update(grant.annotations)
             for name in grant.cdi_devices:
@@ -121,15 +201,28 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
                      cdi_devices=list(grant.cdi_devices))
         return out
 
-    async def PreStartContainer(self, request, context):
+    def _pre_start(self, request: Any) -> pb2.PreStartContainerResponse:
+        self._require_nri("pre_start_refused", self._endpoint.resource.name,
+                          list(request.devices_ids))
         return pb2.PreStartContainerResponse()
+
+    def _require_nri(self, event: str, resource: str, devices: Any) -> None:
+        why = self._plugins.check_nri()
+        if why:
+            log.warning(event, resource=resource, devices=devices, reason=why)
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"{resource}: {why}; nri-accel's device plugin fails closed "
+                           "until `nri-accel run` is registered with the container runtime "
+                           "on this node")
 
 
 class _Endpoint:
     """One resource: its gRPC server, socket and registration state."""
 
-    def __init__(self, resource: Resource, directory: str) -> None:
+    def __init__(self, resource: Resource, directory: str, plugins: DevicePlugins) -> None:
         self.resource = resource
+        self.closed = plugins.nri_down
+        self._plugins = plugins
         self.path = os.path.join(directory, resource.endpoint)
         self.registered_with: _SocketId | None = None  # kubelet.sock we registered with
         self.failures = 0
@@ -152,7 +245,7 @@ class _Endpoint:
                                   source="--kubelet-dir")
             os.unlink(self.path)  # left by an earlier run
         server = grpc.aio.server()
-        pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
+        pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self, self._plugins), server)
         try:
             server.add_insecure_port(f"unix:{self.path}")
         except RuntimeError as e:
@@ -186,13 +279,20 @@ class _Endpoint:
         self._notify()
         return True
 
-    async def watch(self) -> AsyncIterator[Resource]:
-        """The resource now and after each change, until the endpoint is closed."""
-        sent: Resource | None = None
+    def set_closed(self, closed: bool) -> None:
+        """Fail closed (every device Unhealthy) or not; ListAndWatch re-sends a change."""
+        if closed != self.closed:
+            self.closed = closed
+            self._notify()
+
+    async def watch(self) -> AsyncIterator[tuple[Resource, bool]]:
+        """(resource, closed) now and after each change, until the endpoint is closed."""
+        sent: tuple[Resource, bool] | None = None
         while True:
             changed = self._changed
-            if self.resource != sent:
-                sent = self.resource
+            now = (self.resource, self.closed)
+            if now != sent:
+                sent = now
                 yield sent
             if self._closed:
                 return
@@ -218,47 +318,97 @@ class _Endpoint:
 
 
 class DevicePlugins:
-    """Every resource of an Inventory served to kubelet, kept registered.
+    """Every resource of an Inventory served to kubelet, kept registered, failing closed
+    while the NRI side is away (see the module docstring).
 
-    Runs on one asyncio loop: run() until a stop event (or start(), tick() every poll
-    interval, stop()), and update() with each new Inventory. A resource that cannot be
-    served or registered is logged and retried with backoff (poll interval doubling up
-    to 30 s); the others are not held back by it.
+    Runs on one asyncio loop: run() until a stop event (or start(), tick() and
+    check_nri() every poll interval, stop()), update() with each new Inventory and
+    set_health() with each health watch's map. A resource that cannot be served or
+    registered is logged and retried with backoff (poll interval doubling up to 30 s);
+    the others are not held back by it. `state_dir`: where `run` records its
+    registration (default: the config's state_dir). `recorders`: the request recorders
+    (DEVICE_PLUGIN_EVENTS) the metrics read.
     """
 
     def __init__(self, inventory: Inventory, kubelet_dir: str, *, config: Config | None = None,
+                 state_dir: str | None = None,
+                 recorders: Mapping[str, RequestRecorder] | None = None,
                  poll_interval: float = 1.0, register_timeout: float = 5.0,
                  grace: float = 1.0) -> None:
         self._inventory = inventory
         self._dir = os.path.abspath(kubelet_dir)
         self._kubelet_socket = os.path.join(self._dir, KUBELET_SOCKET)
         self._config = config if config is not None else Config()
+        self._state_dir = state_dir if state_dir is not None else self._config.state_dir
+        self.recorders = (recorders if recorders is not None
+                          else RequestRecorder.for_events(DEVICE_PLUGIN_EVENTS))
         self._poll = poll_interval
         self._register_timeout = register_timeout
         self._grace = grace
         self._endpoints: dict[str, _Endpoint] = {}
         self._kubelet: _SocketId | None = None
         self._lock = asyncio.Lock()
+        self._unhealthy: dict[str, Mapping[str, str]] = {}  # family -> key -> reason
+        self._nri_why = "not checked yet"  # why the NRI side is not usable ("": it is)
+        self._started = False
 
     @property
     def resources(self) -> tuple[Resource, ...]:
         return tuple(ep.resource for _, ep in sorted(self._endpoints.items()))
 
+    @property
+    def nri_down(self) -> bool:
+        """Failing closed: the NRI side was not usable at the last look."""
+        return bool(self._nri_why)
+
+    def check_nri(self) -> str:
+        """Read the NRI side's record now: why it is not usable, "" when it is. A change
+        is applied to every resource at once."""
+        status = NriStatus.load(self._state_dir)
+        why = status.why_not() if not status.usable() else ""
+        if why != self._nri_why:
+            if why:
+                log.warning("nri_plugin_unavailable", reason=why, state_dir=self._state_dir,
+                            effect="every device Unhealthy; Allocate and PreStartContainer "
+                                   "refused")
+            else:
+                log.info("nri_plugin_available", plugin=status.plugin, runtime=status.runtime,
+                         pid=status.pid)
+            self._nri_why = why
+            for ep in self._endpoints.values():
+                ep.set_closed(bool(why))
+        return why
+
+    def registered(self) -> dict[str, bool]:
+        """Resource name -> registered with the kubelet now listening."""
+        return {name: ep.registered_with is not None and ep.registered_with == self._kubelet
+                for name, ep in sorted(self._endpoints.items())}
+
+    def ready(self) -> str | None:
+        """None when every resource is registered with kubelet, else why not (/readyz)."""
+        if not self._started:
+            return "not started"
+        if self._kubelet is None:
+            return f"no kubelet listening at {self._kubelet_socket}"
+        missing = [name for name, ok in self.registered().items() if not ok]
+        if missing:
+            return f"not registered with kubelet: {', '.join(missing)}"
+        return None
+
     async def start(self) -> None:
         if not os.path.isdir(self._dir):
             raise ConfigError(f"{self._dir} is not a directory (is kubelet installed?)",
                               source="--kubelet-dir")
+        self.check_nri()
         await self.update(self._inventory)
+        self._started = True
 
     async def update(self, inventory: Inventory) -> None:
         """Serve `inventory` from now on: new resources are served and registered,
         changed ones re-sent on ListAndWatch, vanished ones emptied and closed."""
         async with self._lock:
             self._inventory = inventory
-            resources, problems = resources_from_inventory(inventory, self._config)
-            for p in problems:
-                log.warning("device_not_advertised", device=p.source, reason=p.message)
-            wanted = {r.name: r for r in resources}
+            wanted = self._wanted(log_problems=True)
             for name in sorted(set(self._endpoints) - set(wanted)):
                 ep = self._endpoints.pop(name)
                 ep.set_resource(Resource(name))  # an empty list: kubelet drops capacity now
@@ -267,11 +417,34 @@ class DevicePlugins:
             for name, resource in wanted.items():
                 ep = self._endpoints.get(name)
                 if ep is None:
-                    self._endpoints[name] = _Endpoint(resource, self._dir)  # served by _check
-                elif ep.set_resource(resource):
-                    log.info("devices_changed", resource=name, devices=len(resource.devices),
-                             unhealthy=[d.id for d in resource.devices if not d.healthy])
+                    self._endpoints[name] = _Endpoint(resource, self._dir, self)  # see _check
+                else:
+                    self._swap(ep, resource)
             await self._check()
+
+    def set_health(self, family: str, unhealthy: Mapping[str, str]) -> None:
+        """The unhealthy devices (Device.key -> reason) `family`'s health watch reports
+        now, replacing what it reported before; ListAndWatch re-sends what changed."""
+        self._unhealthy[family] = dict(unhealthy)
+        wanted = self._wanted(log_problems=False)
+        for name, ep in self._endpoints.items():
+            if name in wanted:
+                self._swap(ep, wanted[name])
+
+    def _wanted(self, *, log_problems: bool) -> dict[str, Resource]:
+        unhealthy = {k: why for m in self._unhealthy.values() for k, why in m.items()}
+        resources, problems = resources_from_inventory(self._inventory, self._config,
+                                                       unhealthy)
+        if log_problems:
+            for p in problems:
+                log.warning("device_not_advertised", device=p.source, reason=p.message)
+        return {r.name: r for r in resources}
+
+    @staticmethod
+    def _swap(ep: _Endpoint, resource: Resource) -> None:
+        if ep.set_resource(resource):
+            log.info("devices_changed", resource=resource.name, devices=len(resource.devices),
+                     unhealthy=[d.id for d in resource.devices if not d.healthy])
 
     async def tick(self) -> None:
         """Notice a kubelet restart or a deleted socket; serve and register what needs it."""
@@ -279,9 +452,10 @@ class DevicePlugins:
             await self._check()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """start(), tick() every poll interval until `stop` is set, then stop(). Setting
-        `stop` interrupts a registration in progress: a kubelet that does not answer
-        never delays shutdown."""
+        """start(), then tick() and poll the NRI side's record every poll interval
+        until `stop` is set, then stop(). Setting `stop` interrupts a registration in
+        progress: a kubelet that does not answer never delays shutdown, nor the NRI
+        poll, which runs apart."""
         body = asyncio.ensure_future(self._serve_forever())
         stopped = asyncio.ensure_future(stop.wait())
         try:
@@ -296,14 +470,28 @@ class DevicePlugins:
 
     async def _serve_forever(self) -> None:
         await self.start()
+        nri = asyncio.ensure_future(self._poll_nri_forever())
+        try:
+            while True:
+                await asyncio.sleep(self._poll)
+                await self.tick()
+        finally:
+            nri.cancel()
+            await asyncio.wait({nri})
+
+    async def _poll_nri_forever(self) -> None:
         while True:
             await asyncio.sleep(self._poll)
-            await self.tick()
+            try:
+                self.check_nri()
+            except Exception:  # a defect: keep polling, the state stays as it was
+                log.exception("nri_poll_failed")
 
     async def stop(self) -> None:
         async with self._lock:
             endpoints = [self._endpoints.pop(n) for n in sorted(self._endpoints)]
             await asyncio.gather(*(ep.close(self._grace) for ep in endpoints))
+            self._started = False
             log.info("stopped", resources=[ep.resource.name for ep in endpoints])
 
     async def _check(self) -> None:
@@ -353,26 +541,105 @@ class DevicePlugins:
         log.error(event, resource=ep.resource.name, error=error, retry_in=delay)
 
 
+class HealthWatches:
+    """Each family's health watch (Profile.health_monitor) over the current inventory,
+    reporting to a DevicePlugins. update() with each new Inventory restarts the watch of
+    a family whose devices changed (its marks start over); stop() ends them all."""
+
+    def __init__(self, plugins: DevicePlugins, root: HostRoot, config: Config) -> None:
+        self._plugins = plugins
+        self._root = root
+        self._config = config
+        self._watches: dict[str, tuple[tuple[str, ...], HealthWatch | None]] = {}
+
+    async def update(self, inventory: Inventory) -> None:
+        for profile in PROFILES:
+            keys = tuple(d.key for d in inventory.devices if family_of(d.kind) is profile)
+            current = self._watches.get(profile.name)
+            if current is not None and current[0] == keys:
+                continue
+            if current is not None and current[1] is not None:
+                await asyncio.to_thread(current[1].stop)
+                log.info("health_watch_restarted", family=profile.name,
+                         reason="the family's devices changed")
+            self._plugins.set_health(profile.name, {})
+            watch = None
+            if keys:
+                name = profile.name
+
+                def report(unhealthy: Mapping[str, str], name: str = name) -> None:
+                    self._plugins.set_health(name, unhealthy)
+
+                watch = profile.health_monitor(self._root, inventory, self._config, report)
+                if watch is not None:
+                    watch.start()
+            self._watches[profile.name] = (keys, watch)
+
+    async def stop(self) -> None:
+        watches = [w for _, w in self._watches.values() if w is not None]
+        self._watches.clear()
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in watches))
+
+
 async def serve(inventory: Inventory, kubelet_dir: str, *, stop: asyncio.Event,
                 config: Config | None = None, root: HostRoot | None = None,
-                poll_interval: float = 1.0) -> None:
+                poll_interval: float = 1.0, metrics_address: Address | None = None,
+                refresher: Callable[[Callable[[Inventory], Any]], Refresher | None]
+                | None = None) -> None:
     """Serve `inventory` to the kubelet at `kubelet_dir` until `stop` is set. With
-    `root`, the node is watched (discovery.refresh_interval) and each new Inventory
-    served as it comes."""
+    `root` (a discovered node), the families' health watches run, and the node is
+    watched (discovery.refresh_interval; `refresher(on_change)` builds the Refresher,
+    by default one over `root`), each new Inventory served as it comes. With
+    `metrics_address`, /metrics, /healthz and /readyz (registered with kubelet) are
+    served there."""
     config = config if config is not None else Config()
-    plugins = DevicePlugins(inventory, kubelet_dir, config=config, poll_interval=poll_interval)
-    refresh = None
-    if root is not None:
+    recorders = RequestRecorder.for_events(DEVICE_PLUGIN_EVENTS)
+    plugins = DevicePlugins(inventory, kubelet_dir, config=config, recorders=recorders,
+                            poll_interval=poll_interval)
+    health = HealthWatches(plugins, root, config) if root is not None else None
+    metrics = server = None
+    if metrics_address is not None:
+        from nri_accel.metrics.server import DevicePluginMetrics, MetricsServer
+
+        metrics = DevicePluginMetrics(recorders)
+
+        def sample() -> None:
+            metrics.set_kubelet_registered(plugins.registered())
+            metrics.set_nri_registered(not plugins.nri_down)
+
+        server = MetricsServer(metrics, metrics_address, ready=plugins.ready, sample=sample)
+
+    async def on_change(new: Inventory) -> None:
+        if metrics is not None:
+            metrics.inventory_refreshed()
+        if health is not None:
+            await health.update(new)
+        await plugins.update(new)
+
+    watcher = None
+    if refresher is not None:
+        watcher = refresher(on_change)
+    elif root is not None:
         from nri_accel.discover.watch import Refresher
 
-        refresher = Refresher(root, config, inventory, plugins.update)
-        refresh = asyncio.get_running_loop().create_task(refresher.run())
+        watcher = Refresher(root, config, inventory, on_change)
+    tasks = []
     try:
+        if server is not None:
+            server.start()
+        if health is not None:
+            await health.update(inventory)
+        if watcher is not None:
+            tasks.append(asyncio.get_running_loop().create_task(watcher.run()))
         await plugins.run(stop)
     finally:
-        if refresh is not None:
-            refresh.cancel()
-            await asyncio.wait({refresh})
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if health is not None:
+            await health.stop()
+        if server is not None:
+            await server.close()
 
 
 def main_device_plugin(args: argparse.Namespace) -> int:
@@ -380,16 +647,20 @@ def main_device_plugin(args: argparse.Namespace) -> int:
     --metrics-address HOST:PORT, --inventory FILE | --root DIR. Serves until SIGTERM or
     SIGINT, then returns 0."""
     app = App.from_args(args, mode=DAEMON)
-    inventory = app.load_inventory()
-    root = None if args.inventory else app.host_root()
-    return asyncio.run(_main(inventory, args.kubelet_dir, app.config, root))
+    try:
+        inventory = app.load_inventory()
+        return asyncio.run(_main(app, inventory, args.kubelet_dir))
+    finally:
+        app.close()
 
 
-async def _main(inventory: Inventory, kubelet_dir: str, config: Config,
-                root: HostRoot | None) -> int:
+async def _main(app: App, inventory: Inventory, kubelet_dir: str) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await serve(inventory, kubelet_dir, stop=stop, config=config, root=root)
+    root = None if app.inventory_path is not None else app.host_root()
+    await serve(inventory, kubelet_dir, stop=stop, config=app.config, root=root,
+                metrics_address=app.metrics_address,
+                refresher=lambda on_change: app.refresher(inventory, on_change))
     return 0

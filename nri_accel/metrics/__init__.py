@@ -59,7 +59,7 @@ FREE, HELD, UNHEALTHY = "free", "held", "unhealthy"
 DEVICE_STATES = (FREE, HELD, UNHEALTHY)
 
 RUN_EVENTS = ("synchronize", "create_container", "stop_container", "remove_container")
-DEVICE_PLUGIN_EVENTS = ("allocate", "get_preferred_allocation")
+DEVICE_PLUGIN_EVENTS = ("allocate", "get_preferred_allocation", "pre_start_container")
 """`event` label values each process exports from the start, at zero (a series that
 appears only with its first request hides that request from rate())."""
 

@@ -162,7 +162,7 @@ class RunMetrics(_Metrics):
 
 class DevicePluginMetrics(_Metrics):
     """The metrics of `nri-accel device-plugin`: requests (one recorder per
-    DEVICE_PLUGIN_EVENTS event), kubelet registration."""
+    DEVICE_PLUGIN_EVENTS event), kubelet registration, the NRI side it depends on."""
 
     def __init__(self, requests: Mapping[str, RequestRecorder]) -> None:
         super().__init__(requests)
@@ -170,7 +170,16 @@ class DevicePluginMetrics(_Metrics):
             "nri_accel_kubelet_registered",
             "1 while the resource is registered with kubelet, else 0.", ("resource",),
             registry=self.registry)
+        self._nri = Gauge(
+            "nri_accel_nri_plugin_registered",
+            "1 while `nri-accel run` on this node is registered with the container "
+            "runtime (its state record says so and is fresh), else 0: at 0 the device "
+            "plugin fails closed (devices Unhealthy, Allocate refused).",
+            registry=self.registry)
         self._resources: frozenset[str] = frozenset()
+
+    def set_nri_registered(self, registered: bool) -> None:
+        self._nri.set(1 if registered else 0)
 
     def set_kubelet_registered(self, registered: Mapping[str, bool]) -> None:
         """Registration by resource name; the series of a resource no longer served

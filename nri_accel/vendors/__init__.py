@@ -2,8 +2,8 @@
 over.
 
 Owns: PROFILES (the registered families, in discovery order) and the lookups the generic
-stages use: family_of() (the profile owning a kind), READ_ENV (every variable some
-family reads). Imports the family modules; each family module imports
+stages use: family_of() (the profile owning a kind), parent_of() (the whole a device is a
+part of). Imports the family modules; each family module imports
 nri_accel.vendors.base, never this package's registry. The interface a family
 implements, with the NVIDIA profile as the worked example and the steps to add a
 family, is written down in nri_accel/vendors/base.py.
@@ -14,8 +14,13 @@ first, the generic CDI family (specs and static devices) last.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from nri_accel.vendors import amd, cdi, gaudi, neuron, nvidia
 from nri_accel.vendors.base import Profile
+
+if TYPE_CHECKING:
+    from nri_accel.inventory import Device, Inventory
 
 PROFILES: tuple[Profile, ...] = (
     nvidia.PROFILE,
@@ -36,3 +41,15 @@ def family_of(kind: str) -> Profile:
 
 def by_name(name: str) -> Profile | None:
     return next((p for p in PROFILES if p.name == name), None)
+
+
+def parent_of(device: Device, inventory: Inventory) -> Device | None:
+    """The device `device` is a part of (a MIG device's GPU, a NeuronCore's Neuron
+    device): its `parent` among its family's kinds, the whole's kind first."""
+    if not device.parent:
+        return None
+    for kind in family_of(device.kind).kinds:
+        found = inventory.find(kind, device.parent)
+        if found is not None and found is not device:
+            return found
+    return None

@@ -2,11 +2,12 @@
 
 Owns: Profile (the base class every family subclasses), EnvAsk and EnvSource (what a
 family reads from a container's env) with visible_ask() (the usual shape of a
-visibility variable), FamilyEdits (what a family adds for a selection) and the
-DriverFiles view of the edits catalog a family reads. Imports the standard
-library, nri_accel.config (types), nri_accel.errors, nri_accel.inventory,
-nri_accel.syntax and nri_accel.discover.base (Found). Pure, except discover() and
-probe(), which read the host through a HostRoot.
+visibility variable), FamilyEdits (what a family adds for a selection), HealthWatch
+(what a family's health monitor is to the device plugin) and the DriverFiles view of
+the edits catalog a family reads. Imports the standard library, nri_accel.config
+(types), nri_accel.errors, nri_accel.inventory, nri_accel.syntax and
+nri_accel.discover.base (Found). Pure, except discover() and probe(), which read the
+host through a HostRoot, and health_monitor(), whose watch does.
 
 A family is everything nri-accel knows about one kind of accelerator. The generic stages
 (discover, request, policy, select, edits, the device plugin, explain) loop over the
@@ -76,9 +77,31 @@ edits (pure, over the checked catalog)
 
 device plugin and display
   resources(device, config) -> resource names under which kubelet sees the device
-      (none: deliberately not advertised; ValueError: cannot be, with the reason)
+      (none: deliberately not advertised; ValueError: cannot be, with the reason).
+      `config` is the DevicePluginConfig: a name comes from
+      config.resource_name(kind, default), so [device_plugin.resource_names] renames
+      any kind ("" leaves it out); NVIDIA applies mig_strategy here (mixed:
+      nvidia.com/mig-<profile>; single: the GPU resource; none: whole GPUs only).
+  check_resources(devices, config)
+      The family's rules over all its devices together, before any is advertised;
+      ValueError with the reason leaves every device of the family out (NVIDIA's
+      single strategy: every GPU in MIG mode, one MIG profile, as k8s-device-plugin
+      refuses otherwise).
+  health_monitor(root, inventory, config, on_change) -> a HealthWatch or None
+      Follows the health of the family's devices while the device plugin runs (NVIDIA:
+      NVML XID, ECC and lost-GPU events through .health.HealthMonitor, when
+      [health] enabled and the inventory has GPUs); None when there is nothing to
+      watch. The watch calls `on_change` on the asyncio loop that started it, with
+      the whole map of the family's unhealthy devices (Device.key -> reason) each time
+      it changes; start() is called on that loop, stop() may block (the caller runs
+      it in a thread).
   partition(device, inventory) -> how a device is partitioned, for `discover`'s MIG
       column (NVIDIA: "enabled, 3 instances", a MIG device's profile and ids)
+
+A device with `parent` is a part of another device of its family (a MIG device of
+its GPU, a NeuronCore of its Neuron device): the family's kinds list the whole's kind
+first, so parent_of() (nri_accel.vendors) finds it; nri_accel.state.Holdings never
+lets a whole and one of its parts be held by different containers.
 
 Adding a family: write nri_accel/vendors/<family>.py with a Profile subclass (a module
 docstring citing the upstream sources of every fact), add one line to PROFILES in
@@ -92,7 +115,7 @@ import re
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from nri_accel.discover.base import Found
 from nri_accel.errors import AllocationError, RequestError
@@ -104,7 +127,16 @@ if TYPE_CHECKING:
     from nri_accel.discover.hostroot import HostRoot
 
 BASE = ""  # the Driver capability every container using the driver gets
+OnHealthChange = Callable[[Mapping[str, str]], None]  # Device.key -> why unhealthy
 _NO_EDITS = ContainerEdits()
+
+
+class HealthWatch(Protocol):
+    """What Profile.health_monitor returns (see the module docstring)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +288,15 @@ class Profile:
     # ---- device plugin --------------------------------------------------------------
 
     def resources(self, device: Device, config: DevicePluginConfig) -> tuple[str, ...]:
-        return (device.kind,)
+        name = config.resource_name(device.kind)
+        return (name,) if name else ()
+
+    def check_resources(self, devices: Sequence[Device], config: DevicePluginConfig) -> None:
+        """Raise ValueError when the family's `devices` cannot be advertised as configured."""
+
+    def health_monitor(self, root: HostRoot, inventory: Any, config: Config,
+                       on_change: OnHealthChange) -> HealthWatch | None:
+        return None
 
     def partition(self, device: Device, inventory: Any) -> str:
         return ""

@@ -10,13 +10,28 @@ Requests: AWS_NEURON_VISIBLE_DEVICES (aws-neuron-sdk containers docs): ALL (any 
 a comma-separated list of logical device ids and ranges such as 0-3; as with
 NVIDIA_VISIBLE_DEVICES, "all" wins over ids listed beside it.
 
-Edits: each device's /dev/neuronN, AWS_NEURON_VISIBLE_DEVICES = the device indices (the
-oci-neuron-hook syntax) and NEURON_RT_VISIBLE_CORES = their NeuronCores in the runtime's
-node-wide numbering (device i's cores follow those of devices 0..i-1), as ranges "a-b"
-joined by commas; left alone when the container already sets it (the Neuron device
-plugin sets it for core-level allocations, narrower than the whole device). When the
-image asks through AWS_NEURON_VISIBLE_DEVICES and nothing is granted, the variable is
-removed, so the oci-neuron-hook (which reads nothing else) grants nothing either.
+NeuronCores: each core is a device of its own, kind "aws.amazon.com/neuroncore", named by
+its number in the runtime's node-wide numbering (device i's cores follow those of
+devices 0..i-1, as NEURON_RT_VISIBLE_CORES counts them), with parent = its device's
+name and that device's /dev/neuronN as its node: the device plugin advertises them as
+aws.amazon.com/neuroncore beside aws.amazon.com/neuron, as the AWS Neuron device plugin
+does, and they are granted like any device (`aws.amazon.com/neuroncore=4-5`). A core is
+a part of its device (nri_accel.vendors.base): a whole device and one of its cores are
+never held by different containers (nri_accel.state.Holdings), while different cores
+of one device may go to different containers. Cores are numbered only while every
+earlier device's core count is known; from the first device without one, no core is
+discovered (its numbering would be a guess).
+
+Edits: each granted device's /dev/neuronN (a core's: its device's), and
+AWS_NEURON_VISIBLE_DEVICES = the device indices, those of granted cores' devices
+included (the oci-neuron-hook syntax). NEURON_RT_VISIBLE_CORES: with a core granted, it
+is set to exactly the granted cores (and those of granted whole devices), whatever the
+container says, since the Neuron runtime's core visibility is the only isolation
+between containers sharing a device; with whole devices only, it is their cores, as
+ranges "a-b" joined by commas, and left alone when the container already sets it
+(narrower, as the AWS Neuron device plugin sets it). When the image asks through
+AWS_NEURON_VISIBLE_DEVICES and nothing is granted, the variable is removed, so the
+oci-neuron-hook (which reads nothing else) grants nothing either.
 
 What the aws-neuron-driver exposes (neuron_cdev.c, neuron_module.c) and is read here,
 through the HostRoot:
@@ -32,7 +47,13 @@ through the HostRoot:
 
 Each device becomes Device(kind "aws.amazon.com/neuron", name "N", alias "neuronN",
 links = connected devices found on this node, attributes cores/arch/name/instance_type,
-vendor "neuron") with its /dev/neuronN node as edits. PCI bus id and NUMA node are left
+vendor "neuron") with its /dev/neuronN node as edits, and each of its cores
+Device(kind "aws.amazon.com/neuroncore", name = the core's node-wide number, parent "N",
+attribute core = its index within the device, the same node, and
+NEURON_RT_VISIBLE_CORES = its number as its own env: what `cdi generate` writes for it,
+so that a CDI request for one core shows the runtime that core only; a grant through
+nri-accel sets the variable to every granted core instead (the family's env wins over
+devices' own). PCI bus id and NUMA node are left
 empty: the driver's class devices have no PCI parent and it numbers devices itself, so
 sysfs gives no reliable index-to-PCI mapping. The Neuron environment of a container
 (AWS_NEURON_VISIBLE_DEVICES, core visibility) is written by the edits stage, not here.
@@ -56,6 +77,7 @@ from nri_accel.inventory import (
     Driver,
     Inventory,
     Problem,
+    natural_key,
 )
 from nri_accel.log import get_logger
 from nri_accel.syntax import ClaimSet, DeviceClaim
@@ -75,6 +97,7 @@ log = get_logger(__name__)
 
 VENDOR = "neuron"
 KIND = "aws.amazon.com/neuron"
+KIND_CORE = "aws.amazon.com/neuroncore"
 ENV_VISIBLE = "AWS_NEURON_VISIBLE_DEVICES"
 ENV_CORES = "NEURON_RT_VISIBLE_CORES"
 MODULE_DIR = "module/neuron"
@@ -86,7 +109,7 @@ _ARCH_FILES = (("arch", "arch_type"), ("name", "device_name"),
 
 class NeuronProfile(Profile):
     name = VENDOR
-    kinds = (KIND,)
+    kinds = (KIND, KIND_CORE)  # the whole first (nri_accel.vendors.parent_of)
     env_names = frozenset({ENV_VISIBLE})
     visibility = (ENV_VISIBLE, None)
 
@@ -123,13 +146,30 @@ class NeuronProfile(Profile):
               files: DriverFiles) -> FamilyEdits:
         base = super().edits(devices, options, drivers_only, files)
         numbering = files.table(VENDOR) or {}
-        cores = [numbering.get(d.qualified_name) for d in devices]
-        defaults = ()
-        if devices and all(c is not None for c in cores):
-            defaults = ((ENV_CORES, joined_ranges(
-                n for c in cores if c is not None for n in range(c[0], c[0] + c[1]))),)
-        return FamilyEdits(parts=base.parts, notes=base.notes, defaults=defaults,
-                           env=((ENV_VISIBLE, ",".join(d.name for d in devices)),))
+        whole = [d for d in devices if d.kind == KIND]
+        parts = [d for d in devices if d.kind == KIND_CORE]
+        ranges = [numbering.get(d.qualified_name) for d in whole]
+        numbers = {n for r in ranges if r is not None for n in range(r[0], r[0] + r[1])}
+        numbers.update(int(d.name) for d in parts if d.name.isdigit())
+        env = [(ENV_VISIBLE, ",".join(sorted({d.name for d in whole}
+                                             | {d.parent for d in parts if d.parent},
+                                             key=natural_key)))]
+        defaults: tuple[tuple[str, str], ...] = ()
+        notes = list(base.notes)
+        if parts:  # exactly these cores, whatever the container says
+            env.append((ENV_CORES, joined_ranges(numbers)))
+            if None in ranges:
+                notes.append(f"{ENV_CORES} lists the granted cores only: the cores of "
+                             "granted devices without a known core count are not in it")
+        elif whole and None not in ranges:
+            defaults = ((ENV_CORES, joined_ranges(numbers)),)
+        return FamilyEdits(parts=base.parts, notes=tuple(notes), defaults=defaults,
+                           env=tuple(env))
+
+    def partition(self, device: Device, inventory: Any) -> str:
+        if device.kind == KIND_CORE:
+            return f"core {device.attributes.get('core', '?')} of neuron{device.parent}"
+        return ""
 
 
 PROFILE = NeuronProfile()
@@ -191,6 +231,7 @@ def discover_neuron(root: HostRoot) -> Found:
         )
         for i, node, attributes, links in found
     )
+    devices += _cores(devices)
 
     version = _read(root, root.sys_path(f"{MODULE_DIR}/version"))
     if version is None:
@@ -203,6 +244,24 @@ def discover_neuron(root: HostRoot) -> Found:
     log.debug("neuron_discovered", devices=len(devices), version=driver.version,
               problems=len(problems))
     return Found(devices=devices, drivers=(driver,), problems=tuple(problems))
+
+
+def _cores(devices: Sequence[Device]) -> tuple[Device, ...]:
+    """The NeuronCores of `devices` (in index order), numbered node-wide; none from the
+    first device whose core count is unknown."""
+    out = []
+    first = 0
+    for d in devices:
+        n = d.attributes.get("cores", "")
+        if not n.isdigit():
+            break
+        out.extend(Device(kind=KIND_CORE, name=str(first + j), parent=d.name,
+                          edits=ContainerEdits(env=(f"{ENV_CORES}={first + j}",),
+                                               device_nodes=d.edits.device_nodes),
+                          attributes=MappingProxyType({"core": str(j)}), vendor=VENDOR)
+                   for j in range(int(n)))
+        first += int(n)
+    return tuple(out)
 
 
 def _indices(names: list[str]) -> set[int]:

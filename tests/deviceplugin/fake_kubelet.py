@@ -139,8 +139,11 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
 
     # ---- what tests look at ------------------------------------------------------
 
-    def wait_for(self, predicate: Callable[[], Any], what: str) -> Any:
-        deadline = time.monotonic() + WAIT
+    def wait_for(self, predicate: Callable[[], Any], what: str, *,
+                 timeout: float = WAIT, fail: bool = True) -> Any:
+        """predicate()'s first true value, looked at whenever the fake kubelet records
+        something; after `timeout` seconds AssertionError, or None when not `fail`."""
+        deadline = time.monotonic() + timeout
         with self._cond:
             while True:
                 value = predicate()
@@ -148,6 +151,8 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
                     return value
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if not fail:
+                        return None
                     raise AssertionError(f"fake kubelet: timed out waiting for {what}")
                 self._cond.wait(left)
 
@@ -162,11 +167,18 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
 
     def wait_list(self, conn: PluginConnection,
                   predicate: Callable[[pb2.ListAndWatchResponse], bool] = lambda r: True,
-                  what: str = "a device list") -> pb2.ListAndWatchResponse:
+                  what: str = "a device list", *, after: pb2.ListAndWatchResponse | None = None,
+                  timeout: float = WAIT, fail: bool = True) -> pb2.ListAndWatchResponse | None:
+        """The latest device list `predicate` accepts (only among those received after
+        the list `after`, when given), waiting for one (see wait_for)."""
         def found():
-            return next((r for r in reversed(conn.lists) if predicate(r)), None)
+            lists = conn.lists
+            if after is not None:
+                lists = lists[next(i for i, r in enumerate(lists) if r is after) + 1:]
+            return next((r for r in reversed(lists) if predicate(r)), None)
 
-        return self.wait_for(found, f"{conn.request.resource_name}: {what}")
+        return self.wait_for(found, f"{conn.request.resource_name}: {what}",
+                             timeout=timeout, fail=fail)
 
     def client(self, endpoint: str) -> tuple[grpc.Channel, pb2_grpc.DevicePluginStub]:
         channel = grpc.insecure_channel(f"unix:{os.path.join(self.directory, endpoint)}")

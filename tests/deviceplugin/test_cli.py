@@ -1,20 +1,25 @@
 """`nri-accel device-plugin` as a process: registration with the fake kubelet, refresh
-from a watched host root, SIGTERM, and a bad kubelet directory."""
+from a watched host root, SIGTERM, a bad kubelet directory, and its /metrics. The NRI
+side is the FakeNriSide of conftest (its state directory as --state-dir)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 from fakes.roots import materialise
+from metrics_scrape import scrape, wait_for
 
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
 
-from .conftest import GPU0, GPU2, node_inventory
+from .conftest import GPU0, GPU2, FakeNriSide, node_inventory
 from .fake_kubelet import WAIT, FakeKubelet
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,13 +56,13 @@ class _DevicePlugin:
 
 @pytest.mark.slow
 def test_serves_a_saved_inventory_and_stops_cleanly_on_sigterm(
-        kubelet: FakeKubelet, tmp_path: Path) -> None:
+        kubelet: FakeKubelet, nri_side: FakeNriSide, tmp_path: Path) -> None:
     inventory = tmp_path / "node.json"
     inventory.write_text(node_inventory().to_json())
     config = tmp_path / "config.toml"
     config.write_text('[log]\nformat = "json"\n')
     with _DevicePlugin("--kubelet-dir", kubelet.directory, "--inventory", str(inventory),
-                       "--config", str(config)) as dp:
+                       "--config", str(config), "--state-dir", nri_side.state_dir) as dp:
         conn = kubelet.wait_registered("nvidia.com/gpu")
         assert [d.ID for d in kubelet.wait_list(conn).devices] == [GPU0, GPU2]
         channel, stub = kubelet.client(conn.request.endpoint)
@@ -74,20 +79,25 @@ def test_serves_a_saved_inventory_and_stops_cleanly_on_sigterm(
 
 @pytest.mark.slow
 def test_watches_the_host_root_and_serves_what_changes(kubelet: FakeKubelet,
+                                                       nri_side: FakeNriSide,
                                                        tmp_path: Path) -> None:
     root = materialise("cdi-only", tmp_path / "node")
     config = tmp_path / "config.toml"
     config.write_text('[discovery]\nrefresh_interval = 0.1\n[log]\nformat = "json"\n')
+    address = f"127.0.0.1:{_free_port()}"
     with _DevicePlugin("--kubelet-dir", kubelet.directory, "--root", root.root,
-                       "--config", str(config)) as dp:
+                       "--config", str(config), "--state-dir", nri_side.state_dir,
+                       "--metrics-address", address) as dp:
         amd = kubelet.wait_registered("amd.com/gpu")
         gaudi = kubelet.wait_registered("habana.ai/gaudi")
         assert [d.ID for d in kubelet.wait_list(amd).devices] == ["0", "1"]
         assert [d.ID for d in kubelet.wait_list(gaudi).devices] == ["0", "1"]
+        assert scrape(address).value("nri_accel_inventory_refreshes_total") == 0
         os.unlink(root.local("/var/run/cdi/habana.ai-gaudi.yaml"))  # the vendor's spec goes
         kubelet.wait_for(lambda: gaudi.ended, "the removed resource's stream ends")
         assert list(gaudi.lists[-1].devices) == []
         assert not amd.ended
+        assert scrape(address).value("nri_accel_inventory_refreshes_total") == 1
     assert dp.returncode == 0, dp.stderr
     assert '"event": "resource_removed"' in dp.stderr
 
@@ -102,3 +112,70 @@ def test_a_missing_kubelet_directory_is_a_configuration_error(tmp_path: Path) ->
     _, err = dp.proc.communicate(timeout=WAIT)
     assert dp.proc.returncode == 2
     assert f"--kubelet-dir: {tmp_path / 'nope'} is not a directory" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {address}"
+            time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_metrics_and_probes_of_the_device_plugin(kubelet: FakeKubelet, nri_side: FakeNriSide,
+                                                 tmp_path: Path) -> None:
+    inventory = tmp_path / "node.json"
+    inventory.write_text(node_inventory().to_json())
+    config = tmp_path / "config.toml"
+    config.write_text('[log]\nformat = "json"\n')
+    address = f"127.0.0.1:{_free_port()}"
+    with _DevicePlugin("--kubelet-dir", kubelet.directory, "--inventory", str(inventory),
+                       "--config", str(config), "--state-dir", nri_side.state_dir,
+                       "--metrics-address", address):
+        _wait_listening(address)
+        assert wait_for(address, "/healthz", 200).text == "ok\n"
+        assert wait_for(address, "/readyz", 200).text == "ready\n"  # registered with kubelet
+        gpu = kubelet.wait_registered("nvidia.com/gpu")
+        channel, stub = kubelet.client(gpu.request.endpoint)
+        with channel:
+            stub.Allocate(pb2.AllocateRequest(container_requests=[
+                pb2.ContainerAllocateRequest(devices_ids=[GPU0])]), timeout=WAIT)
+            nri_side.remove()  # `run` gone: the next Allocate is refused
+            with pytest.raises(grpc.RpcError):
+                stub.Allocate(pb2.AllocateRequest(container_requests=[
+                    pb2.ContainerAllocateRequest(devices_ids=[GPU0])]), timeout=WAIT)
+            stub.GetPreferredAllocation(pb2.PreferredAllocationRequest(container_requests=[
+                pb2.ContainerPreferredAllocationRequest(available_deviceIDs=[GPU0],
+                                                        allocation_size=1)]), timeout=WAIT)
+        deadline = time.monotonic() + WAIT  # the gauges follow at the next sample
+        while (samples := scrape(address)).value("nri_accel_nri_plugin_registered") != 0:
+            assert time.monotonic() < deadline, "nri_accel_nri_plugin_registered stays 1"
+            time.sleep(0.1)
+
+        def requests(event: str, outcome: str) -> float:
+            return samples.value("nri_accel_requests_total", event=event, outcome=outcome)
+
+        assert (requests("allocate", "ok"), requests("allocate", "refused"),
+                requests("allocate", "error")) == (1, 1, 0)
+        assert requests("get_preferred_allocation", "ok") == 1
+        assert requests("pre_start_container", "ok") == 0  # exported from the start
+        assert samples.value("nri_accel_request_duration_seconds_count", event="allocate") == 2
+        assert samples.labelled("nri_accel_kubelet_registered") == {
+            frozenset({("resource", name)}): 1 for name in (
+                "acme.example/fpga", "acme.example/npu", "aws.amazon.com/neuron",
+                "nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb")}
+        assert samples.value("nri_accel_inventory_refreshes_total") == 0
+        kubelet.stop()  # kubelet gone: not ready, with the reason
+        answer = wait_for(address, "/readyz", 503)
+        assert "kubelet" in answer.text

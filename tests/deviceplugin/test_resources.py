@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
 
-from nri_accel.config import Config, DevicesConfig
+from nri_accel.config import Config, DevicePluginConfig, DevicesConfig
 from nri_accel.container import ContainerInfo
 from nri_accel.deviceplugin.resources import (
     Resource,
@@ -22,6 +23,15 @@ from nri_accel.select import DeviceIndex, choose
 from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG
 
 from .conftest import GPU0, GPU1, GPU2, MIG_A, MIG_B, MIG_C, NODE_CONFIG, node_inventory
+
+
+def _settings(**kw: object) -> Config:
+    return replace(NODE_CONFIG, device_plugin=DevicePluginConfig(**kw))  # type: ignore[arg-type]
+
+
+def _served(inventory: Inventory, config: Config) -> dict[str, list[str]]:
+    return {r.name: [d.id for d in r.devices]
+            for r in resources_from_inventory(inventory, config)[0]}
 
 
 def _by_name(resources: tuple[Resource, ...]) -> dict[str, Resource]:
@@ -56,6 +66,116 @@ def test_device_facts_health_numa_links_and_qualified_names() -> None:
     assert (mig.qualified_name, mig.numa_node) == (f"nvidia.com/mig={MIG_A}", 1)
     n0, n1 = r["aws.amazon.com/neuron"].devices
     assert (n0.links, n1.links, n0.numa_node) == (("1",), ("0",), None)
+
+
+def test_resource_names_rename_kinds_and_an_empty_one_leaves_a_kind_out() -> None:
+    config = _settings(resource_names=(("nvidia.com/gpu", "nri-accel.io/gpu"),
+                                       ("nvidia.com/mig", "nri-accel.io/mig"),
+                                       ("acme.example/npu", ""),
+                                       ("aws.amazon.com/neuron", "example.com/inferentia")))
+    assert _served(node_inventory(), config) == {
+        "acme.example/fpga": ["fpga0"],
+        "example.com/inferentia": ["0", "1"],
+        "nri-accel.io/gpu": [GPU0, GPU2],
+        "nri-accel.io/mig-1g.10gb": [MIG_A, MIG_B],
+        "nri-accel.io/mig-2g.20gb": [MIG_C],
+    }
+
+
+def test_mig_strategies_name_the_resources_as_nvidias_plugin_does() -> None:
+    inv = node_inventory(with_neuron=False)
+    nvidia = {n: d for n, d in _served(inv, _settings()).items() if n.startswith("nvidia")}
+    assert nvidia == {"nvidia.com/gpu": [GPU0, GPU2], "nvidia.com/mig-1g.10gb": [MIG_A, MIG_B],
+                      "nvidia.com/mig-2g.20gb": [MIG_C]}  # mixed, the default
+    resources, problems = resources_from_inventory(inv, _settings(mig_strategy="none"))
+    assert [(r.name, [d.id for d in r.devices]) for r in resources
+            if r.name.startswith("nvidia")] == [("nvidia.com/gpu", [GPU0, GPU2])]
+    assert [(p.source, "mig_strategy \"none\"" in p.message) for p in problems] == [
+        ("nvidia.com/gpu=1", True)]
+    # single: GPUs in and out of MIG mode, and two profiles: nothing NVIDIA, one reason.
+    resources, problems = resources_from_inventory(inv, _settings(mig_strategy="single"))
+    assert not [r for r in resources if r.name.startswith("nvidia")]
+    assert [p.source for p in problems] == ["nvidia"]
+    assert "GPU 0, 2 is not" in problems[0].message
+    assert "same migEnabled value" in problems[0].message
+
+
+def _all_mig(*profiles: str, empty_gpu: bool = False) -> Inventory:
+    devices = [Device(KIND_GPU, "0", uuid=GPU0, attributes=MappingProxyType(
+        {"mig_mode": "enabled"}))]
+    devices += [Device(KIND_MIG, f"0:{i}", uuid=f"MIG-{i}", parent="0",
+                       attributes=MappingProxyType({"mig_profile": p}))
+                for i, p in enumerate(profiles)]
+    if empty_gpu:
+        devices.append(Device(KIND_GPU, "1", uuid=GPU1, attributes=MappingProxyType(
+            {"mig_mode": "enabled"})))
+    return Inventory(devices=tuple(devices))
+
+
+def test_single_strategy_serves_uniform_mig_devices_as_the_gpu_resource() -> None:
+    single = _settings(mig_strategy="single",
+                       resource_names=(("nvidia.com/gpu", "nri-accel.io/gpu"),))
+    assert _served(_all_mig("1g.10gb", "1g.10gb"), single) == {
+        "nri-accel.io/gpu": ["MIG-0", "MIG-1"]}
+    for inv, why in ((_all_mig("1g.10gb", "2g.20gb"), "more than one MIG device type"),
+                     (_all_mig("1g.10gb", empty_gpu=True), "GPU 1 is in MIG mode with no "
+                                                           "MIG devices")):
+        resources, problems = resources_from_inventory(inv, single)
+        assert resources == ()
+        assert why in problems[0].message
+    # A node with no GPU in MIG mode is served whole under "single" too.
+    assert _served(Inventory(devices=(Device(KIND_GPU, "0", uuid=GPU0),)), single) == {
+        "nri-accel.io/gpu": [GPU0]}
+
+
+def test_time_slicing_advertises_each_device_n_times_with_its_health() -> None:
+    config = _settings(replicas=(("nvidia.com/gpu", 2), ("nvidia.com/mig-2g.20gb", 3)))
+    r = _by_name(resources_from_inventory(node_inventory(), config)[0])
+    gpus = r["nvidia.com/gpu"]
+    assert gpus.replicas == 2
+    assert [(d.id, d.qualified_name, d.healthy, d.links) for d in gpus.devices] == [
+        (f"{GPU0}::0", f"nvidia.com/gpu={GPU0}::0", True, ()),
+        (f"{GPU0}::1", f"nvidia.com/gpu={GPU0}::1", True, ()),
+        (f"{GPU2}::0", f"nvidia.com/gpu={GPU2}::0", False, ()),
+        (f"{GPU2}::1", f"nvidia.com/gpu={GPU2}::1", False, ())]
+    assert [d.id for d in r["nvidia.com/mig-2g.20gb"].devices] == [
+        f"{MIG_C}::0", f"{MIG_C}::1", f"{MIG_C}::2"]
+    assert [d.id for d in r["nvidia.com/mig-1g.10gb"].devices] == [MIG_A, MIG_B]  # not shared
+    grant = allocate(gpus, [f"{GPU0}::1"])
+    assert dict(grant.annotations) == {
+        "devices.nri-accel.io/resource.nvidia.com_gpu": f"nvidia.com/gpu={GPU0}::1"}
+
+
+def test_replica_ids_over_63_characters_are_not_advertised() -> None:
+    name = "n" * 60  # fits alone, not with "::10"
+    inv = Inventory(devices=(Device("acme.example/npu", name),))
+    config = _settings(replicas=(("acme.example/npu", 11),))
+    resources, problems = resources_from_inventory(inv, config)
+    assert resources == ()
+    assert f"device ID '{name}::10' is longer than 63" in problems[0].message
+    assert _served(inv, _settings(replicas=(("acme.example/npu", 10),)))[
+        "acme.example/npu"][-1] == name + "::9"
+
+
+def test_two_kinds_renamed_into_one_resource_keep_their_ids_apart() -> None:
+    inv = Inventory(devices=(Device("a.example/x", "d0"), Device("a.example/x", "d1"),
+                             Device("b.example/y", "d0")))
+    config = _settings(resource_names=(("b.example/y", "a.example/x"),))
+    resources, problems = resources_from_inventory(inv, config)
+    assert [(r.name, [d.qualified_name for d in r.devices]) for r in resources] == [
+        ("a.example/x", ["a.example/x=d0", "a.example/x=d1"])]
+    assert [(p.source, "has a device with ID 'd0' already (a.example/x=d0)" in p.message)
+            for p in problems] == [("b.example/y=d0", True)]
+
+
+def test_a_health_watch_marks_devices_unhealthy_by_key() -> None:
+    inv = node_inventory()
+    gpu0 = inv.find(KIND_GPU, "0")
+    assert gpu0 is not None
+    r = _by_name(resources_from_inventory(inv, NODE_CONFIG, {gpu0.key: "XID 79"})[0])
+    assert [(d.id, d.healthy) for d in r["nvidia.com/gpu"].devices] == [
+        (GPU0, False), (GPU2, False)]
+    assert all(d.healthy for d in r["nvidia.com/mig-1g.10gb"].devices)
 
 
 def test_links_are_translated_to_kubelet_ids_within_the_resource() -> None:
@@ -280,3 +400,23 @@ def test_preferred_allocation_is_deterministic() -> None:
     first = preferred_allocation(res, _ids(7, 6, 5, 4, 3, 2, 1, 0), [], 3)
     assert first == preferred_allocation(res, _ids(0, 1, 2, 3, 4, 5, 6, 7), [], 3)
     assert first == tuple(_ids(4, 5, 6))
+
+
+def test_replicas_are_preferred_spread_over_the_least_shared_devices() -> None:
+    inv = Inventory(devices=tuple(Device(KIND_GPU, str(i), uuid=f"GPU-{i}", numa_node=0)
+                                  for i in range(3)))
+    (res,), _ = resources_from_inventory(inv, _settings(replicas=(("nvidia.com/gpu", 4),)))
+
+    def rid(i: int, n: int) -> str:
+        return f"GPU-{i}::{n}"
+
+    every = [d.id for d in res.devices]
+    # One from each GPU before a second from any.
+    assert preferred_allocation(res, every, [], 3) == (rid(0, 0), rid(1, 0), rid(2, 0))
+    assert preferred_allocation(res, every, [], 4) == (rid(0, 0), rid(0, 1), rid(1, 0),
+                                                       rid(2, 0))
+    # GPU 0 is mostly taken by others (1 replica free), GPU 2 untouched: GPU 2 first.
+    free = [rid(0, 3), rid(1, 2), rid(1, 3), *(rid(2, n) for n in range(4))]
+    assert preferred_allocation(res, free, [], 1) == (rid(2, 0),)
+    # A must-include replica counts for its GPU.
+    assert preferred_allocation(res, every, [rid(1, 2)], 2) == (rid(0, 0), rid(1, 2))

@@ -45,7 +45,9 @@ def test_registers_every_resource_with_its_socket_and_options(kubelet, plugins) 
         assert "/" not in endpoint and endpoint.endswith(".sock")
         assert stat.S_ISSOCK(os.lstat(os.path.join(kubelet.directory, endpoint)).st_mode)
         assert conn.request.options.get_preferred_allocation_available
-        assert not conn.request.options.pre_start_required
+        # kubelet calls PreStartContainer before each container start: the last point
+        # where the plugin can refuse while `run` is away
+        assert conn.request.options.pre_start_required
         assert conn.options == conn.request.options  # what GetDevicePluginOptions says
     # One socket per resource.
     assert len({kubelet.registrations(n)[0].request.endpoint for n in ALL_RESOURCES}) == 6

@@ -17,6 +17,7 @@ from nri_accel.discover.base import Found
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Inventory, Problem
 from nri_accel.vendors import neuron
 from nri_accel.vendors.neuron import KIND as KIND_NEURON
+from nri_accel.vendors.neuron import KIND_CORE
 from nri_accel.vendors.nvidia import KIND_GPU
 
 
@@ -108,14 +109,16 @@ def test_discover_uses_every_source_and_the_configured_spec_dirs(tmp_path: Path)
     config = Config(discovery=DiscoveryConfig(cdi_spec_dirs=("/etc/cdi",)),
                     static_devices=(StaticDevice("xilinx.com/fpga", "fpga0", ("/dev/fpga0",)),))
     inv = discover(tree.root, config)
-    assert [d.qualified_name for d in inv.devices] == [
+    assert [d.qualified_name for d in inv.devices if d.kind != KIND_CORE] == [
         "acme.example/npu=npu0", "aws.amazon.com/neuron=0", "xilinx.com/fpga=fpga0"]
+    assert [d.parent for d in inv.of_kind(KIND_CORE)] == ["0"] * 8  # neuron0's cores
     assert inv.find(KIND_NEURON, "neuron0").attributes["cores"] == "8"
     assert set(inv.drivers) == {"neuron"}  # the acme spec has no spec-level edits
     # the node has no NVIDIA driver: that is said, and nothing else is wrong
     assert {p.source for p in inv.problems} == {"nvidia"}
     config = Config(discovery=DiscoveryConfig(cdi_spec_dirs=("/var/run/cdi",)))
-    assert [d.kind for d in discover(tree.root, config).devices] == [KIND_NEURON]
+    assert [d.kind for d in discover(tree.root, config).devices] == [KIND_NEURON] + [
+        KIND_CORE] * 8
 
 
 def test_the_app_reads_a_saved_inventory_or_discovers(tmp_path: Path) -> None:
@@ -124,7 +127,7 @@ def test_the_app_reads_a_saved_inventory_or_discovers(tmp_path: Path) -> None:
     saved = tmp_path / "node.json"
     saved.write_text(live.to_json())
     assert App(Config(), inventory_path=str(saved)).load_inventory() == live
-    assert len(live.devices) == 2
+    assert len(live.devices) == 2 + 8  # npu0, neuron0 and its 8 NeuronCores
 
 
 def test_host_root_takes_the_driver_root_from_the_config(tmp_path: Path) -> None:

@@ -7,11 +7,21 @@ from pathlib import Path
 from fakes.roots import materialise
 from hosttree import HostTree
 
-from nri_accel.inventory import DeviceNode
+from nri_accel.discover.base import Found
+from nri_accel.inventory import Device, DeviceNode
 from nri_accel.vendors.neuron import KIND as KIND_NEURON
-from nri_accel.vendors.neuron import discover_neuron
+from nri_accel.vendors.neuron import KIND_CORE, discover_neuron
 
 SYSFS = "/sys/class/neuron_device"
+
+
+def whole(found: Found) -> list[Device]:
+    """The Neuron devices, without their NeuronCores."""
+    return [d for d in found.devices if d.kind == KIND_NEURON]
+
+
+def cores(found: Found) -> list[Device]:
+    return [d for d in found.devices if d.kind == KIND_CORE]
 
 
 def _neuron_node(tree: HostTree, i: int, *, cores: str = "2", links: str = "") -> None:
@@ -32,8 +42,9 @@ def _tree(tmp_path: Path, count: int = 3) -> HostTree:
 def test_trn1_root_has_16_trainium_devices_in_a_torus(tmp_path: Path) -> None:
     found = discover_neuron(materialise("trn1", tmp_path / "trn1"))
     assert found.problems == ()
-    assert [d.name for d in found.devices] == [str(i) for i in range(16)]
-    d5 = found.devices[5]
+    devices = whole(found)
+    assert [d.name for d in devices] == [str(i) for i in range(16)]
+    d5 = devices[5]
     assert d5.kind == KIND_NEURON
     assert d5.qualified_name == "aws.amazon.com/neuron=5"
     assert d5.aliases == ("neuron5",)
@@ -42,11 +53,33 @@ def test_trn1_root_has_16_trainium_devices_in_a_torus(tmp_path: Path) -> None:
     assert dict(d5.attributes) == {"cores": "2", "arch": "v2", "name": "Trainium1",
                                    "instance_type": "Trn1"}
     assert d5.links == ("1", "4", "6", "9")
-    assert all(len(d.links) == 4 for d in found.devices)
+    assert all(len(d.links) == 4 for d in devices)
     # connectivity is symmetric in a torus
-    assert all(d.name in found.devices[int(p)].links for d in found.devices for p in d.links)
+    assert all(d.name in devices[int(p)].links for d in devices for p in d.links)
     (driver,) = found.drivers
     assert (driver.vendor, driver.version) == ("neuron", "2.19.64.0")
+
+
+def test_each_neuroncore_is_a_part_of_its_device_numbered_node_wide(tmp_path: Path) -> None:
+    found = discover_neuron(materialise("trn1", tmp_path / "trn1"))
+    parts = cores(found)
+    assert [c.name for c in parts] == [str(i) for i in range(32)]  # 16 Trainium x 2 cores
+    c11 = parts[11]  # device 5's second core: 5 * 2 + 1
+    assert (c11.kind, c11.parent, dict(c11.attributes), c11.vendor) == (
+        KIND_CORE, "5", {"core": "1"}, "neuron")
+    assert c11.qualified_name == "aws.amazon.com/neuroncore=11"
+    # its device's node, and its own number for a CDI request of that core alone
+    assert c11.edits.device_nodes == (DeviceNode("/dev/neuron5", 241, 5),)
+    assert c11.edits.env == ("NEURON_RT_VISIBLE_CORES=11",)
+
+
+def test_cores_are_numbered_only_while_every_earlier_count_is_known(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, 3)
+    tree.file(f"{SYSFS}/neuron0/core_count", "4")
+    tree.file(f"{SYSFS}/neuron1/core_count", "x")
+    found = discover_neuron(tree.root)
+    assert [(c.name, c.parent) for c in cores(found)] == [
+        ("0", "0"), ("1", "0"), ("2", "0"), ("3", "0")]  # device 2's numbers would be guesses
 
 
 def test_no_neuron_driver_means_nothing_and_no_problem(tmp_path: Path) -> None:
@@ -62,8 +95,8 @@ def test_symlinked_device_node_is_refused_and_links_to_it_dropped(tmp_path: Path
     tree.chardev("/dev/real-neuron1", 241, 1)
     tree.symlink("/dev/neuron1", "real-neuron1")
     found = discover_neuron(tree.root)
-    assert [d.name for d in found.devices] == ["0", "2"]
-    assert found.devices[0].links == ("2",)
+    assert [d.name for d in whole(found)] == ["0", "2"]
+    assert whole(found)[0].links == ("2",)
     assert [(p.source, "symlink" in p.message) for p in found.problems] == [
         ("/dev/neuron1", True)]
 
@@ -128,7 +161,7 @@ def test_unknown_driver_version_is_a_problem(tmp_path: Path) -> None:
     tree = HostTree(tmp_path / "node")
     _neuron_node(tree, 0)
     found = discover_neuron(tree.root)
-    assert [d.name for d in found.devices] == ["0"]
+    assert [d.name for d in whole(found)] == ["0"]
     assert found.drivers[0].version == ""
     assert [p.source for p in found.problems] == ["neuron"]
     assert "/sys/module/neuron/version" in found.problems[0].message
@@ -137,5 +170,6 @@ def test_unknown_driver_version_is_a_problem(tmp_path: Path) -> None:
 def test_device_order_is_natural_not_lexical(tmp_path: Path) -> None:
     tree = _tree(tmp_path, 12)
     found = discover_neuron(tree.root)
-    assert [d.name for d in found.devices] == [str(i) for i in range(12)]
-    assert found.devices[0].links[-2:] == ("10", "11")
+    assert [d.name for d in whole(found)] == [str(i) for i in range(12)]
+    assert whole(found)[0].links[-2:] == ("10", "11")
+    assert [c.name for c in cores(found)][-3:] == ["21", "22", "23"]

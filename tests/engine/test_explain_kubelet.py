@@ -23,6 +23,7 @@ from engine_testing import (
 )
 
 from nri_accel.cli import main
+from nri_accel.config import DevicePluginConfig
 from nri_accel.engine import Engine
 from nri_accel.errors import AllocationError, ConfigError
 from nri_accel.explain import KubeletDevices, pod_containers
@@ -170,3 +171,27 @@ def test_cli_insufficient_is_an_error_naming_the_resource(capsys, tmp_path, monk
     assert rc == 1 and out == ""
     assert "Insufficient nvidia.com/gpu: asks for 8, 7 of the node's 7 are free" in err
     assert "the scheduler would leave the pod Pending" in err
+
+
+def test_explain_follows_the_device_plugin_settings():
+    # Renamed resources and time-slicing replicas, as the device plugin advertises them:
+    # two pods of one replica each share a GPU, and `run` grants it to both, shared.
+    config = dataclasses.replace(kubernetes(), device_plugin=DevicePluginConfig(
+        resource_names=(("nvidia.com/gpu", "nri-accel.io/gpu"),),
+        replicas=(("nri-accel.io/gpu", 2),)))
+    one = Inventory(devices=tuple(d for d in demo_inventory().devices if d.name == "0"),
+                    drivers=demo_inventory().drivers)
+    kubelet = KubeletDevices(one, config)
+    assert kubelet.resource_names == ("nri-accel.io/gpu",)
+    key = "devices.nri-accel.io/resource.nri-accel.io_gpu"
+    engine = Engine(one, config)
+    for name in ("p", "q"):
+        (c,) = pod_containers(pod(ctr("c", {"nri-accel.io/gpu": 1}), name=name), "pod.yaml",
+                              kubelet)
+        assert re.fullmatch(r"nvidia\.com/gpu=GPU-[0-9a-f-]+::[01]",
+                            c.info.container_annotations[key])
+        plan = engine.plan(c.info)
+        engine.commit(plan)
+        assert plan.qualified_names == ("nvidia.com/gpu=0",) and plan.grant.shared
+    with pytest.raises(AllocationError, match=r"Insufficient nri-accel\.io/gpu"):
+        pod_containers(pod(ctr("c", {"nri-accel.io/gpu": 1}), name="r"), "pod.yaml", kubelet)

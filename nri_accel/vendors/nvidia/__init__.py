@@ -5,9 +5,10 @@ NVIDIA_DRIVER_CAPABILITIES and the capabilities annotation, NVIDIA_REQUIRE_* thr
 .requirements, NVIDIA_MIG_CONFIG_DEVICES, NVIDIA_MIG_MONITOR_DEVICES), the MIG selection
 rules, the env and driver files a selection brings, and the device plugin's NVIDIA
 resource names. Discovery lives in .discover (NVML through nri_accel.discover.nvml),
-imported only when the node is discovered. Imports the standard library,
-nri_accel.errors, nri_accel.inventory, nri_accel.syntax, nri_accel.vendors.base and this
-package's requirements; pure except discover() and probe().
+imported only when the node is discovered, and device health in .health, imported only
+when the device plugin watches it. Imports the standard library, nri_accel.errors,
+nri_accel.inventory, nri_accel.syntax, nri_accel.vendors.base and this package's
+requirements; pure except discover(), probe() and health_monitor().
 
 The env grammar follows nvidia-container-toolkit (internal/config/image) and
 libnvidia-container:
@@ -48,8 +49,22 @@ NVIDIA_VISIBLE_DEVICES rewritten to the UUIDs injected ("none" for the driver al
 "void" when the image asked and nothing was granted) and NVIDIA_DRIVER_CAPABILITIES to
 the capabilities given (left as it is when none is).
 
-Device plugin: nvidia.com/gpu for whole GPUs not in MIG mode, nvidia.com/mig-<profile>
-for MIG devices (nvidia.com/mig-1g.10gb.me for the media-extension profile 1g.10gb+me).
+Device plugin ([device_plugin] mig_strategy, as NVIDIA's k8s-device-plugin
+internal/rm/device_map.go; the resource names are [device_plugin.resource_names]' for
+nvidia.com/gpu and nvidia.com/mig, by default those kinds):
+- "mixed" (the default): nvidia.com/gpu for whole GPUs not in MIG mode,
+  nvidia.com/mig-<profile> for MIG devices (nvidia.com/mig-1g.10gb.me for the
+  media-extension profile 1g.10gb+me); a GPU in MIG mode only as its MIG devices.
+- "single": the MIG devices under nvidia.com/gpu, when every GPU is in MIG mode, each
+  with MIG devices, all of one profile; otherwise, as k8s-device-plugin refuses to
+  start ("all devices on the node must be configured with the same migEnabled value",
+  "more than one MIG device type present on node", "device has an invalid MIG
+  configuration"), no NVIDIA device is advertised and the reason is logged. A node
+  with no GPU in MIG mode is served as with "none".
+- "none": nvidia.com/gpu for whole GPUs, MIG devices ignored. A GPU in MIG mode is left
+  out with a reason, where k8s-device-plugin hands it out whole: a workload cannot
+  compute on a GPU in MIG mode, and `run` refuses it when named (selection rules above).
+Health: .health.HealthMonitor over NVML events (health_monitor), while [health] enabled.
 """
 
 from __future__ import annotations
@@ -70,6 +85,8 @@ from nri_accel.vendors.base import (
     EnvAsk,
     EnvSource,
     FamilyEdits,
+    HealthWatch,
+    OnHealthChange,
     Profile,
 )
 from nri_accel.vendors.nvidia.requirements import (
@@ -300,16 +317,79 @@ class NvidiaProfile(Profile):
     # ---- device plugin --------------------------------------------------------------
 
     def resources(self, device: Device, config: DevicePluginConfig) -> tuple[str, ...]:
-        if mig_enabled(device):
+        strategy = config.mig_strategy
+        gpu = config.resource_name(KIND_GPU)
+        if device.kind == KIND_GPU:
+            if not mig_enabled(device):
+                return (gpu,) if gpu else ()
+            if strategy == "none":
+                raise ValueError("in MIG mode, and mig_strategy \"none\" advertises whole "
+                                 "GPUs only, which a workload cannot use in MIG mode: use "
+                                 "mig_strategy \"mixed\" or \"single\", or disable MIG")
             return ()  # granted as its MIG devices only
-        if device.kind == KIND_MIG:
-            profile = device.attributes.get("mig_profile", "")
-            if not profile:
-                raise ValueError("MIG device without a mig_profile attribute")
-            # A profile's "+" (the media extension "1g.10gb+me") cannot appear in a
-            # resource name: it becomes ".", nvidia.com/mig-1g.10gb.me.
-            return ("nvidia.com/mig-" + profile.replace("+", "."),)
-        return (device.kind,)
+        if device.kind != KIND_MIG or strategy == "none":
+            return ()
+        if strategy == "single":
+            return (gpu,) if gpu else ()
+        base = config.resource_name(KIND_MIG)
+        if not base:
+            return ()
+        profile = device.attributes.get("mig_profile", "")
+        if not profile:
+            raise ValueError("MIG device without a mig_profile attribute")
+        # A profile's "+" (the media extension "1g.10gb+me") cannot appear in a
+        # resource name: it becomes ".", nvidia.com/mig-1g.10gb.me.
+        return (f"{base}-{profile.replace('+', '.')}",)
+
+    def check_resources(self, devices: Sequence[Device], config: DevicePluginConfig) -> None:
+        """mig_strategy "single": every GPU in MIG mode (or none), each with MIG devices,
+        all of one profile (k8s-device-plugin's assertions, same meaning)."""
+        if config.mig_strategy != "single":
+            return
+        gpus = [d for d in devices if d.kind == KIND_GPU]
+        in_mig = [g for g in gpus if mig_enabled(g)]
+        if not in_mig:
+            return
+        if len(in_mig) != len(gpus):
+            whole = ", ".join(g.name for g in gpus if not mig_enabled(g))
+            raise ValueError("mig_strategy \"single\" needs every GPU in MIG mode or none, "
+                             f"and GPU {whole} is not (all devices on the node must be "
+                             "configured with the same migEnabled value)")
+        migs = [d for d in devices if d.kind == KIND_MIG]
+        for g in in_mig:
+            if not any(m.parent == g.name for m in migs):
+                raise ValueError(f"mig_strategy \"single\": GPU {g.name} is in MIG mode with "
+                                 "no MIG devices (an invalid MIG configuration)")
+        profiles = sorted({m.attributes.get("mig_profile", "") for m in migs})
+        if len(profiles) > 1:
+            raise ValueError("mig_strategy \"single\" needs one MIG profile on the node, "
+                             f"found {', '.join(p or '(none)' for p in profiles)} (more than "
+                             "one MIG device type present on node): use \"mixed\"")
+
+    def health_monitor(self, root: HostRoot, inventory: Any, config: Config,
+                       on_change: OnHealthChange) -> HealthWatch | None:
+        """NVML events of the inventory's GPUs and MIG devices (.health), through the
+        NVML library discovery loads; None when [health] is off, there is no GPU or no
+        libnvidia-ml."""
+        if not config.health.enabled:
+            return None
+        from nri_accel.vendors.nvidia.discover import nvml_library
+        from nri_accel.vendors.nvidia.health import HealthMonitor, watched_devices
+
+        watched = watched_devices(inventory.devices)
+        if not watched:
+            return None
+        library = nvml_library(root)
+        if library is None:
+            return None
+        keys = {d.uuid: d.key for d in inventory.devices if d.kind in self.kinds and d.uuid}
+
+        def deliver(unhealthy: Mapping[str, str]) -> None:
+            on_change({keys[u]: why for u, why in unhealthy.items() if u in keys})
+
+        return HealthMonitor(library, watched, on_change=deliver,
+                             ignored_xids=config.health.ignored_xids,
+                             recheck_interval=config.health.recheck_interval)
 
 
     def partition(self, device: Device, inventory: Any) -> str:

@@ -1,0 +1,124 @@
+"""Device health in ListAndWatch: the whole device plugin (deviceplugin.server.serve) on a
+fake H100 node (tests/fakes/roots/h100, whose libnvidia-ml is the fake NVML of
+tests/fakes/nvml driving the real pynvml), an XID injected through the fake's events
+file as the driver would raise it, the fake kubelet watching. Waits are bounded waits
+for an expected stream update; nothing measures how fast it comes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from fakes.nvml import build
+from fakes.roots import materialise
+
+from nri_accel.config import Config, DiscoveryConfig, HealthConfig
+from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
+from nri_accel.deviceplugin.server import serve
+from nri_accel.discover import discover
+from nri_accel.discover.hostroot import HostRoot
+from nri_accel.vendors.nvidia.discover import nvml_library
+
+from .conftest import FakeNriSide, health
+from .fake_kubelet import WAIT, FakeKubelet
+
+H100 = ["GPU-74106407-f32f-0663-90a7-a1acf7eb04ae", "GPU-08f22e65-3b2d-59a7-2659-c71f416a3808",
+        "GPU-126d4085-7b1a-a246-402b-e786f0d2a595", "GPU-d6a0ae3c-5011-a59d-c8a7-2b61c6a912e7"]
+
+
+@pytest.fixture
+def h100(tmp_path: Path) -> HostRoot:
+    try:
+        build.library()
+    except build.BuildError as e:
+        pytest.fail(f"cannot build the fake NVML library: {e}")
+    return materialise("h100", tmp_path / "h100")
+
+
+def inject(root: HostRoot, line: str) -> None:
+    """What the driver raises, appended to the fake NVML's events file."""
+    lib = nvml_library(root)
+    assert lib is not None
+    with Path(lib).with_name("fake_nvml.events").open("a") as f:
+        f.write(line + "\n")
+
+
+class Serving:
+    """`nri-accel device-plugin --root` in-process: serve() on its own loop thread."""
+
+    def __init__(self, root: HostRoot, kubelet_dir: str, config: Config) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self._stop = asyncio.run_coroutine_threadsafe(self._event(), self.loop).result(WAIT)
+        inventory = discover(root, config)
+        self._done = asyncio.run_coroutine_threadsafe(serve(
+            inventory, kubelet_dir, stop=self._stop, config=config, root=root,
+            poll_interval=0.05), self.loop)
+
+    @staticmethod
+    async def _event() -> asyncio.Event:
+        return asyncio.Event()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self._done.result(WAIT)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(WAIT)
+        self.loop.close()
+
+
+@pytest.fixture
+def serving(h100: HostRoot, kubelet: FakeKubelet, nri_side: FakeNriSide) -> Iterator[Serving]:
+    config = Config(discovery=DiscoveryConfig(refresh_interval=0),
+                    health=HealthConfig(enabled=True, recheck_interval=0.5),
+                    state_dir=nri_side.state_dir)
+    s = Serving(h100, kubelet.directory, config)
+    yield s
+    s.stop()
+
+
+def _states(response: pb2.ListAndWatchResponse) -> dict[str, str]:
+    return dict(health(response))
+
+
+def test_an_xid_turns_one_gpu_unhealthy_and_a_quiet_recheck_brings_it_back(
+        serving: Serving, h100: HostRoot, kubelet: FakeKubelet) -> None:
+    gpu = kubelet.wait_registered("nvidia.com/gpu")
+    assert _states(kubelet.wait_list(gpu)) == dict.fromkeys(H100, "Healthy")
+
+    # The watch registers with NVML in its own thread; events from before that are never
+    # delivered (as with the real driver), so the XID repeats until it is seen.
+    def gpu1_unhealthy(r: pb2.ListAndWatchResponse) -> bool:
+        return _states(r)[H100[1]] == "Unhealthy"
+
+    unhealthy = None
+    for _ in range(int(WAIT / 0.5)):
+        inject(h100, f"xid {H100[1]} 79")
+        unhealthy = kubelet.wait_list(gpu, gpu1_unhealthy, timeout=0.5, fail=False)
+        if unhealthy is not None:
+            break
+    assert unhealthy is not None, "GPU 1 never turned Unhealthy after XID 79"
+    assert _states(unhealthy) == {**dict.fromkeys(H100, "Healthy"), H100[1]: "Unhealthy"}
+    # No further event: after recheck_interval quiet, NVML's recheck passes.
+    again = kubelet.wait_list(gpu, lambda r: _states(r)[H100[1]] == "Healthy",
+                              "GPU 1 Healthy again", after=unhealthy)
+    assert _states(again) == dict.fromkeys(H100, "Healthy")
+
+
+def test_health_watch_is_off_when_disabled(h100: HostRoot, kubelet: FakeKubelet,
+                                           nri_side: FakeNriSide) -> None:
+    config = Config(discovery=DiscoveryConfig(refresh_interval=0),
+                    health=replace(HealthConfig(), enabled=False),
+                    state_dir=nri_side.state_dir)
+    s = Serving(h100, kubelet.directory, config)
+    try:
+        gpu = kubelet.wait_registered("nvidia.com/gpu")
+        assert _states(kubelet.wait_list(gpu)) == dict.fromkeys(H100, "Healthy")
+        assert not [t for t in threading.enumerate() if t.name == "nri-accel-health"]
+    finally:
+        s.stop()

@@ -1,0 +1,106 @@
+"""A device and its parts (NeuronCores of a Neuron device, MIG devices of a GPU) in the
+one exclusivity rule (nri_accel.state.Holdings): a whole and one of its parts are never
+held by different containers; parts of one device may be. Through the Engine, as `run`
+plans and commits containers."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import pytest
+from engine_testing import admit, container, demo_inventory, held, standalone
+
+from nri_accel.engine import Engine
+from nri_accel.errors import AllocationError
+from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Inventory
+from nri_accel.state import Grant, Holdings
+from nri_accel.vendors.neuron import KIND, KIND_CORE
+
+
+def neuron_node() -> Inventory:
+    """Two Neuron devices of 2 NeuronCores each, as Neuron discovery makes them."""
+    devices = []
+    for i in range(2):
+        node = DeviceNode(f"/dev/neuron{i}", 240, i)
+        devices.append(Device(KIND, str(i), aliases=(f"neuron{i}",), vendor="neuron",
+                              edits=ContainerEdits(device_nodes=(node,)),
+                              attributes=MappingProxyType({"cores": "2"})))
+        devices += [Device(KIND_CORE, str(2 * i + j), parent=str(i), vendor="neuron",
+                           edits=ContainerEdits(env=(f"NEURON_RT_VISIBLE_CORES={2 * i + j}",),
+                                                device_nodes=(node,)),
+                           attributes=MappingProxyType({"core": str(j)}))
+                    for j in range(2)]
+    return Inventory(devices=tuple(devices),
+                     drivers=MappingProxyType({"neuron": Driver("neuron", "2.19.64.0")}))
+
+
+def asks(value: str, cid: str) -> object:
+    return container(pod_annotations={"devices.nri-accel.io": value}, cid=cid, pod=cid)
+
+
+def test_cores_of_one_device_go_to_different_containers() -> None:
+    engine = Engine(neuron_node(), standalone())
+    admit(engine, asks("aws.amazon.com/neuroncore=0", "a"))
+    admit(engine, asks("aws.amazon.com/neuroncore=1", "b"))
+    assert held(engine) == {"a": ("aws.amazon.com/neuroncore=0",),
+                            "b": ("aws.amazon.com/neuroncore=1",)}
+
+
+def test_a_whole_device_is_refused_while_another_container_holds_a_core() -> None:
+    engine = Engine(neuron_node(), standalone())
+    admit(engine, asks("aws.amazon.com/neuroncore=1", "a"))
+    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuron=0 \(its part "
+                                              r"aws\.amazon\.com/neuroncore=1\) is held by "
+                                              r"default/a/"):
+        engine.plan(asks("aws.amazon.com/neuron=0", "b"))
+    # A count of whole devices passes over it, and says why when nothing else is free.
+    assert admit(engine, asks("aws.amazon.com/neuron: 1", "b")).qualified_names == (
+        "aws.amazon.com/neuron=1",)
+    with pytest.raises(AllocationError, match=r"held: 0 by default/a/main-a \(id a\), which "
+                                              r"holds its part aws\.amazon\.com/neuroncore=1"):
+        engine.plan(asks("aws.amazon.com/neuron: 1", "c"))
+
+
+def test_a_core_is_refused_while_another_container_holds_its_device() -> None:
+    engine = Engine(neuron_node(), standalone())
+    admit(engine, asks("aws.amazon.com/neuron=1", "a"))
+    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuroncore=2 \(its device "
+                                              r"aws\.amazon\.com/neuron=1\) is held"):
+        engine.plan(asks("aws.amazon.com/neuroncore=2", "b"))
+    plan = admit(engine, asks("aws.amazon.com/neuroncore: 2", "b"))  # neuron0's, free
+    assert plan.qualified_names == ("aws.amazon.com/neuroncore=0", "aws.amazon.com/neuroncore=1")
+    # The same container may hold a device and its cores (one grant).
+    admit(engine, asks("aws.amazon.com/neuron=1;aws.amazon.com/neuroncore=3", "a"))
+    # Released: the core is free again.
+    engine.release("a")
+    assert admit(engine, asks("aws.amazon.com/neuroncore=2", "c")).qualified_names == (
+        "aws.amazon.com/neuroncore=2",)
+
+
+def test_a_whole_gpu_for_mig_configuration_waits_for_its_mig_devices() -> None:
+    # A GPU in MIG mode is granted whole only for MIG configuration or monitoring; while
+    # another container holds one of its MIG devices, an exclusive grant of it is refused.
+    inv = demo_inventory()
+    engine = Engine(inv, standalone())
+    admit(engine, asks("nvidia.com/mig=7:0", "a"))
+    info = container(pod_annotations={"devices.nri-accel.io": "nvidia.com/gpu=7"},
+                     env=("NVIDIA_MIG_CONFIG_DEVICES=all",), cid="b", pod="b")
+    with pytest.raises(AllocationError, match=r"nvidia\.com/gpu=GPU-.*\(its part "
+                                              r"nvidia\.com/mig=MIG-.*\) is held"):
+        engine.plan(info)
+    engine.release("a")
+    assert admit(engine, info).qualified_names == ("nvidia.com/gpu=7",)
+
+
+def test_holdings_learn_parts_per_inventory_and_keep_grants_by_key() -> None:
+    h = Holdings()
+    h.record(Grant("a", name="ns/p/a", exclusive=frozenset({"k/core=0"})))
+    whole = Grant("b", name="ns/p/b", exclusive=frozenset({"k/dev=0"}))
+    h.check(whole)  # no parts known: unrelated keys
+    h.set_parts({"k/core=0": "k/dev=0", "k/core=1": "k/dev=0"})
+    with pytest.raises(AllocationError, match=r"k/dev=0 \(its part k/core=0\) is held by "
+                                              r"ns/p/a"):
+        h.check(whole)
+    assert h.busy(whole) == {"k/core=0": "ns/p/a (id a)",
+                             "k/dev=0": "ns/p/a (id a), which holds its part k/core=0"}
+    h.check(Grant("c", exclusive=frozenset({"k/core=1"})))  # a sibling part: free
