@@ -51,7 +51,7 @@ DEFAULT_MAX_IN_FLIGHT = 128
 """Handler tasks one endpoint runs at once; a request beyond is refused (module doc)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CallContext:
     """What a handler knows about its call.
 
