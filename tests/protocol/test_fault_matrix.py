@@ -296,3 +296,22 @@ async def test_stop_ends_an_in_process_stub_in_every_state_leaving_no_task_or_fd
     assert asyncio.all_tasks() == before_tasks
     assert fd_count(os.getpid()) == before_fds
 
+
+
+async def test_an_in_process_stub_through_runtime_restarts_keeps_no_task_or_fd_of_old_sessions(
+    sock_path: str,
+) -> None:
+    stub = Stub(Bystander(), Identity("bystander", "30"), socket_path=sock_path)
+    task = asyncio.get_running_loop().create_task(stub.run())
+    baseline: tuple[int, int] | None = None
+    for _ in range(5):
+        async with Simulator(sock_path) as sim:
+            await sim.wait_for_plugin(timeout=LIVENESS)
+            pod = make_pod({"name": "p"})
+            await sim.create_container(pod, make_container(pod, {"name": "c"}))
+            now = (len(asyncio.all_tasks()), fd_count(os.getpid()))
+            baseline = baseline or now
+            assert now == baseline
+    stub.stop()
+    assert await asyncio.wait_for(task, 5) == 0
+    assert stub.registrations == 5
