@@ -16,15 +16,17 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
-from daemon import gpu_request, log_events, start_daemon, stop
+from daemon import gpu_request, log_events, start_daemon, stop, write_daemon_files
 from runtime_states import (
     LIVENESS,
     STATES,
@@ -134,12 +136,29 @@ FAULTS: dict[str, tuple[bytes, bool, bool]] = {  # name: (bytes, closes, conn_su
 }
 
 
+@pytest.fixture(scope="module")
+def one_daemon() -> Iterator[tuple[dict[str, str], subprocess.Popen[bytes]]]:
+    """One daemon for every fault below, in turn: each test's simulator takes the
+    socket path, the daemon connects to it. SIGTERM stops it cleanly at the end."""
+    directory = Path(tempfile.mkdtemp(prefix="nri-"))
+    files = write_daemon_files(directory)
+    proc = start_daemon(files)
+    try:
+        yield files, proc
+        assert stop(proc) == 0
+    finally:
+        stop(proc)
+        shutil.rmtree(directory)
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 async def test_after_a_fault_the_daemon_serves_again_and_leaks_no_fd(
-    daemon_files: dict[str, str], fault: str,
+    one_daemon: tuple[dict[str, str], subprocess.Popen[bytes]], fault: str,
 ) -> None:
+    files, proc = one_daemon
     data, closes, conn_survives = FAULTS[fault]
-    async with daemon_with_runtime(daemon_files) as (sim, conn, proc):
+    async with Simulator(files["socket"]) as sim:
+        conn = await sim.wait_for_plugin("nri-accel", timeout=LIVENESS)
         fds = fd_count(proc.pid)
         conn.write_raw(data)
         if closes:
@@ -148,7 +167,7 @@ async def test_after_a_fault_the_daemon_serves_again_and_leaks_no_fd(
             await answers_a_gpu_request(sim)
             assert not conn.closed and sim.dropped == []
         await serves_again(sim, conn, proc, fds)
-    events = [e["event"] for e in log_events(daemon_files)]
+    events = [e["event"] for e in log_events(files)]
     assert events.count("mux_unknown_connection") <= mux.UNKNOWN_CONNS_LOGGED
 
 
