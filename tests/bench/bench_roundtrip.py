@@ -8,8 +8,10 @@ process, which logs warnings only; the daemon logs as deployed (info lines to a 
 its canonical line per container is part of its cost and of the figures below).
 Beside it runs the *floor*: the least a plugin can do over this project's ttrpc and
 mux code (register, configure, answer every CreateContainer empty; no stub, no
-parsing), on the same socket and simulator. Their round trips are taken in
-alternating blocks, so that both see the same machine.
+parsing), on the same socket and simulator, and the stub serving a plugin whose
+create_container returns None at once (what the stub costs above the floor; the
+rest up to nri-accel is its own work per container). Their round trips are taken
+in alternating blocks, so that all see the same machine.
 --cpu N pins both processes to CPU N: the figures are then the software's own cost,
 without the wake-up of a sleeping CPU at each message (on a small VM that adds about
 0.1 ms per round trip and most of the run-to-run spread). Measured:
@@ -81,7 +83,20 @@ async def main(path):
 
 asyncio.run(main(sys.argv[1]))
 """
-BLOCK = 250  # round trips per turn when two plugins alternate
+STUB_ONLY = """
+import asyncio, sys
+from nri_accel import log
+from nri_accel.nri.stub import Identity, Stub
+
+log.configure(level="warning")
+
+class Nothing:
+    def create_container(self, pod, container):
+        return None
+
+asyncio.run(Stub(Nothing(), Identity("stub-only", "98"), socket_path=sys.argv[1]).run())
+"""
+BLOCK = 250  # round trips per turn when plugins alternate
 
 
 def captured_request() -> pb.CreateContainerRequest:
@@ -166,7 +181,7 @@ async def main_async(args: argparse.Namespace) -> None:
             started = time.monotonic()
             proc = subprocess.Popen(daemon_command(sock, config, log_file),
                                     stdin=subprocess.DEVNULL)
-            floor = None
+            others: list[subprocess.Popen[bytes]] = []
             try:
                 conn = await sim.wait_for_plugin("nri-accel", timeout=30)
                 ready = time.monotonic()
@@ -174,15 +189,19 @@ async def main_async(args: argparse.Namespace) -> None:
                 assert registered is not None
                 print(f"start to RegisterPlugin:     {(registered - started) * 1000:.0f} ms")
                 print(f"start to configured+synced:  {(ready - started) * 1000:.0f} ms")
-                floor = subprocess.Popen([sys.executable, "-c", FLOOR, sock],
-                                         stdin=subprocess.DEVNULL)
+                others = [subprocess.Popen([sys.executable, "-c", source, sock],
+                                           stdin=subprocess.DEVNULL)
+                          for source in (FLOOR, STUB_ONLY)]
                 floor_conn = await sim.wait_for_plugin("floor", timeout=30)
+                stub_conn = await sim.wait_for_plugin("stub-only", timeout=30)
 
-                for warm in (conn, floor_conn):
+                for warm in (conn, floor_conn, stub_conn):
                     await round_trips(warm, gpu, 300)
-                ours, bare = await alternating([conn, floor_conn], noop, args.requests)
+                ours, bare, stub_only = await alternating([conn, floor_conn, stub_conn], noop,
+                                                          args.requests)
                 print(f"CreateContainer, no devices: {percentiles(ours)}")
                 print(f"  floor, a bare ttrpc plugin: {percentiles(bare)}")
+                print(f"  the stub, plugin does nothing: {percentiles(stub_only)}")
                 print(f"  nri-accel / floor:          p50 "
                       f"{quantile(ours, 0.5) / quantile(bare, 0.5):.2f}x  p99 "
                       f"{quantile(ours, 0.99) / quantile(bare, 0.99):.2f}x")
@@ -195,9 +214,9 @@ async def main_async(args: argparse.Namespace) -> None:
                 proc.terminate()
                 raise
             finally:
-                if floor is not None:
-                    floor.terminate()
-                    floor.wait(timeout=10)
+                for other in others:
+                    other.terminate()
+                    other.wait(timeout=10)
         try:
             await asyncio.sleep(args.outage)  # the runtime is away: the daemon retries
             async with Simulator(sock) as sim:
