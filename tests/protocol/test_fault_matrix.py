@@ -192,7 +192,7 @@ async def test_a_runtime_that_pipelines_and_stops_reading_gets_bounded_memory_an
     async with daemon_with_runtime(daemon_files) as (sim, conn, proc):
         fds, rss_before = fd_count(proc.pid), peak_rss_kib(proc.pid)
         counter = AnswerCounter()
-        conn.mux.attach(mux.PLUGIN_SERVICE_CONN, counter.data_received, lambda exc: None)
+        conn.mux.attach(mux.PLUGIN_SERVICE_CONN, counter.data_received, conn.client.connection_lost)
         await stall_and_pipeline(conn, requests)
         assert conn.mux.write_buffer_size > 0  # the daemon stopped reading: backpressure
         conn.mux.hold_reading("runtime stalled", False)
