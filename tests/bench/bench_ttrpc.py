@@ -81,18 +81,17 @@ def bench_endpoint(n: int) -> None:
     payload = os.urandom(REQUEST_SIZE)
     frames = [client.request(SVC, "CreateContainer", payload, timeout_nano=2_000_000_000,
                              metadata=MD)[1] for _ in range(n)]
-    answers: list[bytes] = []
 
-    async def run() -> float:
-        server = Endpoint(answers.append, {SVC: {"CreateContainer": lambda ctx, p: b""}})
+    async def one_pass() -> float:
+        server = Endpoint(lambda answer: None, {SVC: {"CreateContainer": lambda ctx, p: b""}})
         t0 = time.perf_counter()
         for frame in frames:
             server.data_received(frame)
         return time.perf_counter() - t0
 
-    elapsed = asyncio.run(run())
-    print(f"endpoint: request in, empty answer out (plain handler) {elapsed * 1e6 / n:.2f} us"
-          f" per request")
+    best = min(asyncio.run(one_pass()) for _ in range(5))  # the least disturbed pass
+    print(f"endpoint: request in, empty answer out (plain handler) {best * 1e6 / n:.2f} us"
+          f" per request (best of 5 passes)")
 
 
 async def bench_round_trip(calls: int, concurrency: int) -> None:
