@@ -41,7 +41,7 @@ from collections.abc import Callable, Hashable
 from nri_accel.log import get_logger
 from nri_accel.ttrpc import HEADER_SIZE as TTRPC_HEADER_SIZE
 from nri_accel.ttrpc import MAX_MESSAGE_SIZE
-from nri_accel.ttrpc.flow import WRITE_BUFFER_FULL, ReadGate
+from nri_accel.ttrpc.flow import ReadGate
 
 PLUGIN_SERVICE_CONN = 1
 """Logical connection of the Plugin service: the runtime calls, the plugin serves."""
@@ -165,7 +165,6 @@ class MuxProtocol(asyncio.BufferedProtocol):
         frame_size: int = WRITE_FRAME_SIZE,
         max_payload: int = PROTOCOL_MAX_PAYLOAD,
     ) -> None:
-        self._serving = serving
         self._demux = Demux(max_payload)
         self._frame_size = frame_size
         self._sinks: dict[int, Sink] = {}
@@ -173,7 +172,7 @@ class MuxProtocol(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._error: Exception | None = None
         self._dropped: set[int] = set()
-        self._gate = ReadGate()
+        self._gate = ReadGate(serving=serving)
         self._buffer = memoryview(bytearray(READ_BUFFER_SIZE))
         self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
 
@@ -221,11 +220,10 @@ class MuxProtocol(asyncio.BufferedProtocol):
         self._gate.connect(transport)
 
     def pause_writing(self) -> None:
-        if self._serving:
-            self._gate.hold(WRITE_BUFFER_FULL, True)
+        self._gate.writes_waiting(True)
 
     def resume_writing(self) -> None:
-        self._gate.hold(WRITE_BUFFER_FULL, False)
+        self._gate.writes_waiting(False)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._buffer

@@ -51,6 +51,7 @@ DEFAULT_MAX_IN_FLIGHT = 128
 """Handler tasks one endpoint runs at once; a request beyond is refused (module doc)."""
 
 
+# slots, not frozen: cheaper to build per request (see codec.py)
 @dataclass(slots=True)
 class CallContext:
     """What a handler knows about its call.

@@ -1,9 +1,10 @@
 """Flow control of one asyncio transport: when to stop reading from the peer.
 
 Owns: ReadGate, which keeps a transport's reading paused while anything holds it
-and resumes it when nothing does, the write buffer limits it sets, and the hold a
-protocol puts on while its write buffer is full. Imports asyncio only. Used by the
-socket adapters (unix.py here, the NRI multiplexer).
+(on a serving side: its write buffer over the high-water mark) and resumes it when
+nothing does, and the write buffer limits it sets. Imports asyncio only. Used by
+the socket adapters (unix.py here, the NRI multiplexer): their protocol's
+pause_writing/resume_writing call writes_waiting().
 
 Why reading stops when writing waits: on a connection that serves requests, what
 this side writes are answers to what it read. A peer that sends requests and does
@@ -24,21 +25,22 @@ WRITE_BUFFER_HIGH = 256 * 1024
 WRITE_BUFFER_LOW = 64 * 1024
 """Bytes queued for the peer below which asyncio calls resume_writing()."""
 
-WRITE_BUFFER_FULL = "write buffer full"
-"""The hold a serving protocol's pause_writing/resume_writing put on and take off."""
+_WRITE_BUFFER_FULL = "write buffer full"
 
 
 class ReadGate:
     """Pauses a transport's reading while at least one hold is on it.
 
-    A hold is any hashable reason (WRITE_BUFFER_FULL, a test's stall). Holds put on
-    before the transport connects apply once it does; nothing happens once it is
-    closing.
+    `serving`: the write buffer over its high-water mark is a hold (see the module
+    doc). Any other hashable reason can be held too (a test's stalled peer). Holds
+    put on before the transport connects apply once it does; nothing happens once
+    it is closing.
     """
 
-    __slots__ = ("_holds", "_transport")
+    __slots__ = ("_holds", "_serving", "_transport")
 
-    def __init__(self) -> None:
+    def __init__(self, *, serving: bool) -> None:
+        self._serving = serving
         self._transport: asyncio.Transport | None = None
         self._holds: set[Hashable] = set()
 
@@ -47,6 +49,11 @@ class ReadGate:
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH, low=WRITE_BUFFER_LOW)
         self._transport = transport
         self._apply()
+
+    def writes_waiting(self, waiting: bool) -> None:
+        """The write buffer went over the high-water mark (True) or below the low one."""
+        if self._serving:
+            self.hold(_WRITE_BUFFER_FULL, waiting)
 
     def hold(self, reason: Hashable, held: bool) -> None:
         """Put (`held` True) or take off (False) the hold `reason`."""

@@ -48,6 +48,7 @@ _DATA = int(FrameType.DATA)
 _REMOTE_OPEN = int(Flags.REMOTE_OPEN)
 
 
+# slots, not frozen: cheaper to build per request (see codec.py)
 @dataclass(slots=True)
 class RequestReceived:
     """A unary request from the peer. `timeout_nano` 0 means no deadline."""

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from .endpoint import Endpoint, Services
 from .errors import Code, TtrpcError
-from .flow import WRITE_BUFFER_FULL, ReadGate
+from .flow import ReadGate
 
 _READ_BUFFER_SIZE = 256 * 1024
 
@@ -44,11 +44,10 @@ class _EndpointProtocol(asyncio.BufferedProtocol):
         serving: bool,
     ) -> None:
         self._services = services
-        self._serving = serving
         self._on_made = on_made
         self._on_lost = on_lost
         self._buffer = memoryview(bytearray(_READ_BUFFER_SIZE))
-        self._gate = ReadGate()
+        self._gate = ReadGate(serving=serving)
         self.endpoint: Endpoint | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -59,11 +58,10 @@ class _EndpointProtocol(asyncio.BufferedProtocol):
             self._on_made(self.endpoint)
 
     def pause_writing(self) -> None:
-        if self._serving:
-            self._gate.hold(WRITE_BUFFER_FULL, True)
+        self._gate.writes_waiting(True)
 
     def resume_writing(self) -> None:
-        self._gate.hold(WRITE_BUFFER_FULL, False)
+        self._gate.writes_waiting(False)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._buffer
