@@ -4,8 +4,8 @@ Owns: the mux framing of containerd/nri pkg/net/multiplex (8-byte header: 4-byte
 big-endian connection id, 4-byte big-endian payload length, then the payload), its
 limits, the sans-IO Demux and encode(), and MuxProtocol, the asyncio protocol that
 owns one NRI socket and routes each logical connection's bytes to a consumer (a ttrpc
-Endpoint). Imports the standard library, nri_accel.log and the size constants of
-nri_accel.ttrpc.
+Endpoint). Imports the standard library, nri_accel.log, the size constants of
+nri_accel.ttrpc and its flow control (ReadGate).
 
 Connection 1 carries the Plugin service (the runtime calls the plugin), connection 2
 the Runtime service (the plugin calls the runtime); the same code serves both ends.
@@ -20,6 +20,13 @@ logical connection through a 4096-byte buffered reader, and its mux returns ENOM
 when a frame does not fit the buffer it reads into: frames written to a Go peer must
 not exceed WRITE_FRAME_SIZE (4096) bytes, which encode() guarantees.
 
+Flow control (nri_accel.ttrpc.flow): on the plugin's side (`serving`), reading
+stops while the socket's write buffer is over its high-water mark, that is while
+the runtime does not take our answers, and resumes below the low-water mark:
+whatever a runtime sends, the plugin holds bounded memory. The runtime's side keeps
+reading, as containerd's Go reader does (two sides that both stop would deadlock).
+Closing aborts the socket: nothing waits for a peer that does not read.
+
 Reads land in one reused buffer (asyncio.BufferedProtocol): a plain asyncio.Protocol
 gets a fresh 256 KiB bytes object per read, which glibc serves with mmap, page faults,
 mremap and munmap, about 20 us per message; the Demux copies out what it hands on.
@@ -29,11 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from nri_accel.log import get_logger
 from nri_accel.ttrpc import HEADER_SIZE as TTRPC_HEADER_SIZE
 from nri_accel.ttrpc import MAX_MESSAGE_SIZE
+from nri_accel.ttrpc.flow import ReadGate
 
 PLUGIN_SERVICE_CONN = 1
 """Logical connection of the Plugin service: the runtime calls, the plugin serves."""
@@ -47,6 +55,8 @@ WRITE_FRAME_SIZE = 4096
 """Longest frame payload this side writes: the read buffer size of Go ttrpc peers."""
 READ_BUFFER_SIZE = 256 * 1024
 """Size of the buffer each socket read lands in (asyncio's own read size)."""
+UNKNOWN_CONNS_LOGGED = 8
+"""Distinct unknown connection ids warned about per socket (a peer may send 2**32)."""
 
 _HEADER = struct.Struct(">II")
 
@@ -144,12 +154,14 @@ class MuxProtocol(asyncio.BufferedProtocol):
     first is missed. Bytes for a connection nobody attached are dropped, as the Go
     multiplexer does. A framing error closes the socket and is passed to every
     consumer's connection_lost; `lost` resolves when the socket is gone, with the
-    error or None.
+    error or None. `serving`: stop reading while the write buffer is full (the
+    plugin's side; see the module doc). hold_reading() pauses reading too.
     """
 
     def __init__(
         self,
         *,
+        serving: bool,
         frame_size: int = WRITE_FRAME_SIZE,
         max_payload: int = PROTOCOL_MAX_PAYLOAD,
     ) -> None:
@@ -160,6 +172,7 @@ class MuxProtocol(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._error: Exception | None = None
         self._dropped: set[int] = set()
+        self._gate = ReadGate(serving=serving)
         self._buffer = memoryview(bytearray(READ_BUFFER_SIZE))
         self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
 
@@ -179,20 +192,38 @@ class MuxProtocol(asyncio.BufferedProtocol):
 
         return send
 
+    def hold_reading(self, reason: Hashable, held: bool) -> None:
+        """Stop reading the socket while `reason` is held (a runtime stalling, in tests)."""
+        self._gate.hold(reason, held)
+
+    @property
+    def write_buffer_size(self) -> int:
+        """Bytes written and not yet taken by the peer (0 when not connected)."""
+        transport = self._transport
+        return 0 if transport is None else transport.get_write_buffer_size()
+
     def write_raw(self, data: bytes) -> None:
         """Write bytes on the socket as they are, bypassing framing (fault injection)."""
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
 
     def close(self) -> None:
+        """Abort the socket: unsent bytes are dropped, connection_lost follows at once."""
         if self._transport is not None:
-            self._transport.close()
+            self._transport.abort()
 
     # ---- asyncio.Protocol -------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        self._gate.connect(transport)
+
+    def pause_writing(self) -> None:
+        self._gate.writes_waiting(True)
+
+    def resume_writing(self) -> None:
+        self._gate.writes_waiting(False)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._buffer
@@ -214,7 +245,7 @@ class MuxProtocol(asyncio.BufferedProtocol):
             sink = self._sinks.get(conn_id)
             if sink is not None:
                 sink(chunk)
-            elif conn_id not in self._dropped:
+            elif conn_id not in self._dropped and len(self._dropped) < UNKNOWN_CONNS_LOGGED:
                 self._dropped.add(conn_id)
                 log.warning("mux_unknown_connection", conn_id=conn_id)
 

@@ -277,12 +277,16 @@ class Simulator:
         if self._server is not None:
             self._server.close()
             self._server = None
-        for conn in self.connections:
+        connections = list(self.connections)
+        for conn in connections:
             conn.close()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks)
+        for conn in connections:  # their handlers, cancelled when the socket went
+            await conn.client.closed()
+            await conn.server.closed()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 
@@ -299,7 +303,7 @@ class Simulator:
         return next(c for c in self.connections if c.mux is mux)
 
     def _accept(self) -> MuxProtocol:
-        mux = MuxProtocol()
+        mux = MuxProtocol(serving=False)  # containerd's reader never stops (mux.py)
         conn = PluginConn(self, mux)
         self.connections.append(conn)
         self.track(self.loop.create_task(self._watch(conn)))

@@ -41,7 +41,6 @@ refused container fails with that message); the stub keeps serving.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import os
 import re
@@ -50,7 +49,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from google.protobuf.message import DecodeError
 
@@ -237,8 +236,8 @@ class Stub:
         self._sync_pods: list[Any] = []
         self._sync_containers: list[Any] = []
         self._configured: asyncio.Future[None] | None = None
-        self._mux: MuxProtocol | None = None
-        self._stopping: asyncio.Event | None = None
+        self._serving: asyncio.Task[int] | None = None  # run()'s work, while it runs
+        self._stop_requested = False
         self.registered = asyncio.Event()  # set while registered and configured
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -261,63 +260,75 @@ class Stub:
             loop.add_signal_handler(sig, self.stop, sig)
 
     def stop(self, sig: int | None = None) -> None:
-        """Close the connection and make run() return."""
+        """Make run() return 0 at once, whatever the connection is doing.
+
+        The serving task is cancelled wherever it waits (connecting, a RegisterPlugin
+        answer, Configure, the next event, a backoff delay) and the socket is aborted,
+        not drained: a runtime that stopped reading cannot hold the plugin up."""
         if sig is not None:
             log.info("signal_received", signal=signal.Signals(sig).name)
-        if self._stopping is not None:
-            self._stopping.set()
-        if self._mux is not None:
-            self._mux.close()
+        if self._stop_requested:
+            return
+        self._stop_requested = True
+        if self._serving is not None:
+            self._serving.cancel()
 
     async def run(self) -> int:
         """Serve until stopped (0). Pre-registered mode: until the socket closes
         (0), or 1 if registration failed."""
-        self._stopping = asyncio.Event()
+        if self._stop_requested:
+            return 0
         log.info("plugin_starting", plugin=self.identity.full_name,
                  events=mask_events(self.handled_events),
                  mode="pre-registered" if self.fd is not None else "external",
                  socket=self.socket_path if self.fd is None else f"fd {self.fd}")
-        if self.fd is not None:
-            sock = socket.socket(fileno=self.fd)
-            try:
-                ok = await self._session(sock=sock)
-            except (OSError, TtrpcError, TimeoutError) as exc:
-                log.error("registration_failed", error=_describe(exc))
-                return 1
-            return 0 if ok or self._stopping.is_set() else 1
-        await self._reconnect_loop()
+        self._serving = asyncio.get_running_loop().create_task(self._serve())
+        try:
+            return await self._serving
+        except asyncio.CancelledError:
+            caller = asyncio.current_task()
+            if not self._stop_requested or (caller is not None and caller.cancelling()):
+                raise  # cancelled from outside, not by stop()
+            return 0
+        finally:
+            self._serving = None
+
+    async def _serve(self) -> int:
+        if self.fd is None:
+            await self._reconnect_loop()
+        sock = socket.socket(fileno=self.fd)
+        try:
+            await self._session(sock=sock)
+        except (OSError, TtrpcError, TimeoutError) as exc:
+            log.error("registration_failed", error=_describe(exc))
+            return 1
         return 0
 
-    async def _reconnect_loop(self) -> None:
-        assert self._stopping is not None
+    async def _reconnect_loop(self) -> NoReturn:
         delays = backoff_delays()
         reported = ""
-        while not self._stopping.is_set():
+        while True:
             try:
-                registered = await self._session(path=self.socket_path)
+                await self._session(path=self.socket_path)
             except (OSError, TtrpcError, TimeoutError) as exc:
-                if self._stopping.is_set():
-                    break
-                registered = False
                 why = _describe(exc)
                 if why != reported:  # one line per outage, not one per retry
                     log.warning("runtime_unavailable", socket=self.socket_path, error=why,
                                 retry_max_s=BACKOFF_MAX)
                     reported = why
-            if registered:
+            else:  # it registered and served until the runtime went away
                 delays, reported = backoff_delays(), ""
-            if self._stopping.is_set():
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), next(delays))
+            await asyncio.sleep(next(delays))
 
-    async def _session(self, *, path: str | None = None, sock: socket.socket | None = None) -> bool:
-        """One connection: register, serve until it ends. True if it registered.
+    async def _session(self, *, path: str | None = None, sock: socket.socket | None = None) -> None:
+        """One connection: register, then serve until the runtime closes it.
 
         Raises OSError/TtrpcError/TimeoutError when connecting or registering fails.
+        Whatever way it ends (cancellation by stop() included), the socket is aborted
+        and the handlers still running have finished when it returns.
         """
         loop = asyncio.get_running_loop()
-        mux = MuxProtocol()
+        mux = MuxProtocol(serving=True)
         plugin_ep = Endpoint(mux.sender(PLUGIN_SERVICE_CONN),
                              {PLUGIN_SERVICE: self._services()}, on_close=mux.close)
         runtime_ep = Endpoint(mux.sender(RUNTIME_SERVICE_CONN), on_close=mux.close)
@@ -330,10 +341,7 @@ class Stub:
             await loop.create_unix_connection(lambda: mux, sock=sock)
         else:
             await loop.create_unix_connection(lambda: mux, path)
-        self._mux = mux
         try:
-            if self._stopping is not None and self._stopping.is_set():
-                return False
             await self._register(runtime_ep, mux)
             self.registrations += 1
             self.registered.set()
@@ -343,16 +351,17 @@ class Stub:
                      nri_version=self.runtime.nri_version or "not sent",
                      events=mask_events(self.events))
             error = await mux.lost
-            if not (self._stopping is not None and self._stopping.is_set()):
-                log.warning("runtime_disconnected", plugin=self.identity.full_name,
-                            error=_describe(error) if error else None)
-            return True
+            log.warning("runtime_disconnected", plugin=self.identity.full_name,
+                        error=_describe(error) if error else None)
         finally:
             self.registered.clear()
-            self._mux = None
             if self._configured.done() and not self._configured.cancelled():
                 self._configured.exception()  # retrieved: it was reported through the call
             mux.close()
+            # connection_lost comes on the next loop iteration and cancels running
+            # handlers: wait for them, so that nothing of this session outlives it.
+            await plugin_ep.closed()
+            await runtime_ep.closed()
 
     async def _register(self, runtime_ep: Endpoint, mux: MuxProtocol) -> None:
         req = pb.RegisterPluginRequest(plugin_name=self.identity.name,

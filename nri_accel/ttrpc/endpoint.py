@@ -19,6 +19,13 @@ message cut short). Nothing a peer sends or a handler does closes the connection
 Client side: `call()` sends on the next odd stream id and waits for the response
 with that id; any number of calls may be in flight. Closing fails pending calls with
 UNAVAILABLE and cancels handlers.
+
+Bounded work: at most `max_in_flight` handler tasks run at once; a request that
+would start one more is answered RESOURCE_EXHAUSTED at once (plain handlers, which
+run inline, are never refused). Refusing, rather than pausing the transport until a
+task ends, keeps the connection read, so a handler waiting on its own call to the
+peer still gets the answer. With the socket adapters' flow control (flow.py), a
+peer that pipelines requests makes this side hold bounded memory.
 """
 
 from __future__ import annotations
@@ -40,8 +47,12 @@ _REQUEST = int(FrameType.REQUEST)
 _RESPONSE = int(FrameType.RESPONSE)
 _CUT_MESSAGE = 1024  # characters of an error message kept when the whole does not fit
 
+DEFAULT_MAX_IN_FLIGHT = 128
+"""Handler tasks one endpoint runs at once; a request beyond is refused (module doc)."""
 
-@dataclass(frozen=True, slots=True)
+
+# slots, not frozen: cheaper to build per request (see codec.py)
+@dataclass(slots=True)
 class CallContext:
     """What a handler knows about its call.
 
@@ -71,8 +82,9 @@ class Endpoint:
     The transport feeds it with data_received() (bytes cut anywhere) and reports its
     end with connection_lost(); the endpoint writes whole frames through `send`, one
     call per frame. `on_close`, when given, is how close() shuts the transport (which
-    must then report connection_lost); without it close() completes at once. Create
-    and use it on the event loop's thread.
+    must then report connection_lost); without it close() completes at once. At most
+    `max_in_flight` async handlers run at once. Create and use it on the event
+    loop's thread.
     """
 
     def __init__(
@@ -81,10 +93,14 @@ class Endpoint:
         services: Services | None = None,
         *,
         on_close: Callable[[], object] | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
         self._send = send
         self._services = {name: dict(methods) for name, methods in (services or {}).items()}
         self._on_close = on_close
+        self._max_in_flight = max_in_flight
         self._conn = Connection()
         self._pending: dict[int, asyncio.Future[bytes]] = {}
         self._handlers: dict[int, asyncio.Task[None]] = {}
@@ -222,6 +238,9 @@ class Endpoint:
         try:
             result = handler(ctx, req.payload)
             if not isinstance(result, bytes) and inspect.isawaitable(result):
+                if len(self._handlers) >= self._max_in_flight:
+                    self._refuse_busy(req, result)
+                    return
                 task = loop.create_task(self._serve(result, ctx))
                 if inspect.iscoroutine(result):
                     # A task cancelled before its first step never starts `result`:
@@ -236,6 +255,14 @@ class Endpoint:
             frame = self._failure_frame(ctx, exc)
         if not self._closing_reason:  # the handler may have closed the endpoint
             self._write(frame)
+
+    def _refuse_busy(self, req: RequestReceived, result: Awaitable[bytes]) -> None:
+        if inspect.iscoroutine(result):
+            result.close()  # never started: not "never awaited"
+        message = (f"{req.service}/{req.method} refused: {self._max_in_flight} "
+                   "requests of this connection are already being handled")
+        _log.warning("ttrpc_request_refused stream_id=%d reason=busy", req.stream_id)
+        self._write(self._error_frame(req.stream_id, Code.RESOURCE_EXHAUSTED, message))
 
     async def _serve(self, pending: Awaitable[bytes], ctx: CallContext) -> None:
         stream_id = ctx.stream_id

@@ -4,7 +4,14 @@ Owns: serve_unix / UnixServer (listen on a path, one Endpoint per accepted
 connection, all serving the same services) and connect_unix (one client Endpoint).
 These are the thin asyncio.Protocol adapters a standalone user of the library needs;
 a transport that multiplexes several ttrpc connections over one socket (NRI) drives
-Endpoint itself. Imports asyncio, os and this package's endpoint and errors.
+Endpoint itself. Imports asyncio, os and this package's endpoint, errors and flow.
+
+A served connection stops reading while its write buffer is over the high-water
+mark (flow.py): a client that does not read its answers cannot make the server hold
+more than bounded memory. A client connection keeps reading (flow.py says why).
+Closing a connection aborts it: what the peer has not taken yet is dropped, as
+closing a Go net.Conn drops it, so a peer that does not read cannot keep a closed
+connection (and its fd) open.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from collections.abc import Callable
 
 from .endpoint import Endpoint, Services
 from .errors import Code, TtrpcError
+from .flow import ReadGate
 
 _READ_BUFFER_SIZE = 256 * 1024
 
@@ -24,6 +32,7 @@ class _EndpointProtocol(asyncio.BufferedProtocol):
 
     Reads land in one reusable buffer (asyncio.Protocol would allocate a fresh 256 KiB
     bytes object per read); the decoder copies out what it keeps before the next read.
+    `serving`: reading stops while the write buffer is full (the server side).
     """
 
     def __init__(
@@ -31,18 +40,28 @@ class _EndpointProtocol(asyncio.BufferedProtocol):
         services: Services | None,
         on_made: Callable[[Endpoint], object] | None = None,
         on_lost: Callable[[Endpoint], object] | None = None,
+        *,
+        serving: bool,
     ) -> None:
         self._services = services
         self._on_made = on_made
         self._on_lost = on_lost
         self._buffer = memoryview(bytearray(_READ_BUFFER_SIZE))
+        self._gate = ReadGate(serving=serving)
         self.endpoint: Endpoint | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        self.endpoint = Endpoint(transport.write, self._services, on_close=transport.close)
+        self._gate.connect(transport)
+        self.endpoint = Endpoint(transport.write, self._services, on_close=transport.abort)
         if self._on_made is not None:
             self._on_made(self.endpoint)
+
+    def pause_writing(self) -> None:
+        self._gate.writes_waiting(True)
+
+    def resume_writing(self) -> None:
+        self._gate.writes_waiting(False)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._buffer
@@ -118,7 +137,8 @@ class UnixServer:
         await self.wait_closed()
 
     def _new_protocol(self) -> _EndpointProtocol:
-        return _EndpointProtocol(self._services, self._accepted, self._endpoints.discard)
+        return _EndpointProtocol(self._services, self._accepted, self._endpoints.discard,
+                                 serving=True)
 
     def _accepted(self, endpoint: Endpoint) -> None:
         if self._closing:  # accepted just before close(): not served
@@ -145,7 +165,7 @@ async def connect_unix(path: str | os.PathLike[str], services: Services | None =
     loop = asyncio.get_running_loop()
     try:
         _, protocol = await loop.create_unix_connection(
-            lambda: _EndpointProtocol(services), os.fspath(path)
+            lambda: _EndpointProtocol(services, serving=False), os.fspath(path)
         )
     except OSError as exc:
         raise TtrpcError(Code.UNAVAILABLE, f"cannot connect to {os.fspath(path)}: {exc}") from exc

@@ -6,18 +6,27 @@ Prints figures, asserts nothing. `nri-accel run` runs as a subprocess on the bui
 demo inventory (8 GPUs) in standalone mode, against the runtime simulator in this
 process, which logs warnings only; the daemon logs as deployed (info lines to a file:
 its canonical line per container is part of its cost and of the figures below).
+Beside it runs the *floor*: the least a plugin can do over this project's ttrpc and
+mux code (register, configure, answer every CreateContainer empty; no stub, no
+parsing), on the same socket and simulator, and the stub serving a plugin whose
+create_container returns None at once (what the stub costs above the floor; the
+rest up to nri-accel is its own work per container). Their round trips are taken
+in alternating blocks, so that all see the same machine.
 --cpu N pins both processes to CPU N: the figures are then the software's own cost,
 without the wake-up of a sleeping CPU at each message (on a small VM that adds about
 0.1 ms per round trip and most of the run-to-run spread). Measured:
 - time from the daemon's process start to its RegisterPlugin reaching the runtime,
   and to being configured and synchronised;
 - CreateContainer round trip (encode, ttrpc + mux over the socket, the plugin's whole
-  pipeline, its answer decoded here): a container asking for nothing, and one asking
-  for a GPU (full adjustment: device nodes, driver mounts, env); p50/p99/max;
+  pipeline, its answer decoded here): a container asking for nothing, next to the
+  floor's (and their ratio), and one asking for a GPU (full adjustment: device
+  nodes, driver mounts, env); p50/p99/max;
 - throughput with C CreateContainer calls in flight at a time;
 - the daemon's own time per CreateContainer (duration_us of its canonical log line);
 - the daemon's peak RSS (VmHWM);
-- how long after a restarted runtime comes back the daemon is registered again.
+- how long after a restarted runtime comes back the daemon is registered again;
+- SIGTERM to process exit in each connection state of runtime_states.STATES
+  (a fresh daemon each).
 The request is the real CRI-generated CreateContainer of shared/nri-wire's
 containerd-2.3.4-e2e capture, with the pod's annotations replaced.
 """
@@ -28,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +54,49 @@ WIRE = REPO.parent / "shared" / "nri-wire"
 DEMO_INVENTORY = REPO / "nri_accel" / "demo" / "inventory.json"
 sys.path.insert(0, str(REPO / "tests" / "protocol"))
 
+from runtime_states import STATES, in_state  # noqa: E402
 from wire import runtime_requests  # noqa: E402
+
+FLOOR = """
+import asyncio, sys
+from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxProtocol
+from nri_accel.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, event_bit
+from nri_accel.ttrpc import Endpoint
+
+CONFIGURED = pb.ConfigureResponse(events=event_bit(pb.CREATE_CONTAINER)).SerializeToString()
+
+async def main(path):
+    mux = MuxProtocol(serving=True)
+    plugin = Endpoint(mux.sender(PLUGIN_SERVICE_CONN), {PLUGIN_SERVICE: {
+        "Configure": lambda ctx, payload: CONFIGURED,
+        "Synchronize": lambda ctx, payload: b"",
+        "CreateContainer": lambda ctx, payload: b"",
+    }}, on_close=mux.close)
+    runtime = Endpoint(mux.sender(RUNTIME_SERVICE_CONN), on_close=mux.close)
+    mux.attach(PLUGIN_SERVICE_CONN, plugin.data_received, plugin.connection_lost)
+    mux.attach(RUNTIME_SERVICE_CONN, runtime.data_received, runtime.connection_lost)
+    await asyncio.get_running_loop().create_unix_connection(lambda: mux, path)
+    register = pb.RegisterPluginRequest(plugin_name="floor", plugin_idx="99")
+    await runtime.call(RUNTIME_SERVICE, "RegisterPlugin", register.SerializeToString())
+    await mux.lost
+
+asyncio.run(main(sys.argv[1]))
+"""
+STUB_ONLY = """
+import asyncio, sys
+from nri_accel import log
+from nri_accel.nri.stub import Identity, Stub
+
+log.configure(level="warning")
+
+class Nothing:
+    def create_container(self, pod, container):
+        return None
+
+asyncio.run(Stub(Nothing(), Identity("stub-only", "98"), socket_path=sys.argv[1]).run())
+"""
+BLOCK = 250  # round trips per turn when plugins alternate
 
 
 def captured_request() -> pb.CreateContainerRequest:
@@ -61,11 +113,15 @@ def variant(base: pb.CreateContainerRequest, annotations: dict[str, str]) -> byt
     return req.SerializeToString()
 
 
-def percentiles(samples_ns: list[int]) -> str:
+def quantile(samples_ns: list[int], q: float) -> float:
+    """The q-quantile of the samples, in ms."""
     s = sorted(samples_ns)
-    p50 = s[len(s) // 2] / 1e6
-    p99 = s[min(len(s) - 1, int(len(s) * 0.99))] / 1e6
-    return f"p50 {p50:.3f} ms  p99 {p99:.3f} ms  max {s[-1] / 1e6:.3f} ms  (n={len(s)})"
+    return s[min(len(s) - 1, int(len(s) * q))] / 1e6
+
+
+def percentiles(samples_ns: list[int]) -> str:
+    return (f"p50 {quantile(samples_ns, 0.5):.3f} ms  p99 {quantile(samples_ns, 0.99):.3f} ms  "
+            f"max {max(samples_ns) / 1e6:.3f} ms  (n={len(samples_ns)})")
 
 
 async def round_trips(conn: PluginConn, payload: bytes, n: int) -> list[int]:
@@ -79,6 +135,15 @@ async def round_trips(conn: PluginConn, payload: bytes, n: int) -> list[int]:
         pb.CreateContainerResponse.FromString(raw)
         out.append(time.perf_counter_ns() - t0)
     return out
+
+
+async def alternating(conns: list[PluginConn], payload: bytes, n: int) -> list[list[int]]:
+    """n round trips to each plugin, taken in turns of BLOCK."""
+    samples: list[list[int]] = [[] for _ in conns]
+    while len(samples[0]) < n:
+        for conn, out in zip(conns, samples, strict=True):
+            out += await round_trips(conn, payload, BLOCK)
+    return samples
 
 
 async def throughput(conn: PluginConn, payload: bytes, n: int, concurrency: int) -> float:
@@ -99,6 +164,13 @@ def vm_hwm_kib(pid: int) -> int:
     return -1
 
 
+def daemon_command(sock: str, config: Path, log_file: str) -> list[str]:
+    """`nri-accel run` against the demo inventory; its state in a directory beside its log."""
+    return [sys.executable, "-m", "nri_accel.cli", "run", "--socket", sock,
+            "--inventory", str(DEMO_INVENTORY), "--config", str(config), "--log-file", log_file,
+            "--state-dir", str(Path(log_file).parent / "state")]
+
+
 async def main_async(args: argparse.Namespace) -> None:
     base = captured_request()
     noop = variant(base, {})
@@ -109,22 +181,32 @@ async def main_async(args: argparse.Namespace) -> None:
         config.write_text('[policy]\nmode = "standalone"\n')
         async with Simulator(sock) as sim:
             started = time.monotonic()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "nri_accel.cli", "run", "--socket", sock,
-                 "--inventory", str(DEMO_INVENTORY), "--config", str(config),
-                 "--log-file", log_file, "--state-dir", f"{tmp}/state"],
-                stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(daemon_command(sock, config, log_file),
+                                    stdin=subprocess.DEVNULL)
+            others: list[subprocess.Popen[bytes]] = []
             try:
-                conn = await sim.wait_for_plugin(timeout=30)
+                conn = await sim.wait_for_plugin("nri-accel", timeout=30)
                 ready = time.monotonic()
                 registered = conn.registered_at  # loop time: time.monotonic()
                 assert registered is not None
                 print(f"start to RegisterPlugin:     {(registered - started) * 1000:.0f} ms")
                 print(f"start to configured+synced:  {(ready - started) * 1000:.0f} ms")
+                others = [subprocess.Popen([sys.executable, "-c", source, sock],
+                                           stdin=subprocess.DEVNULL)
+                          for source in (FLOOR, STUB_ONLY)]
+                floor_conn = await sim.wait_for_plugin("floor", timeout=30)
+                stub_conn = await sim.wait_for_plugin("stub-only", timeout=30)
 
-                await round_trips(conn, gpu, 300)  # warm-up
-                print(f"CreateContainer, no devices: "
-                      f"{percentiles(await round_trips(conn, noop, args.requests))}")
+                for warm in (conn, floor_conn, stub_conn):
+                    await round_trips(warm, gpu, 300)
+                ours, bare, stub_only = await alternating([conn, floor_conn, stub_conn], noop,
+                                                          args.requests)
+                print(f"CreateContainer, no devices: {percentiles(ours)}")
+                print(f"  floor, a bare ttrpc plugin: {percentiles(bare)}")
+                print(f"  the stub, plugin does nothing: {percentiles(stub_only)}")
+                print(f"  nri-accel / floor:          p50 "
+                      f"{quantile(ours, 0.5) / quantile(bare, 0.5):.2f}x  p99 "
+                      f"{quantile(ours, 0.99) / quantile(bare, 0.99):.2f}x")
                 print(f"CreateContainer, 1 GPU:      "
                       f"{percentiles(await round_trips(conn, gpu, args.requests))}")
                 rate = await throughput(conn, gpu, args.requests, args.concurrency)
@@ -133,6 +215,10 @@ async def main_async(args: argparse.Namespace) -> None:
             except BaseException:
                 proc.terminate()
                 raise
+            finally:
+                for other in others:
+                    other.terminate()
+                    other.wait(timeout=10)
         try:
             await asyncio.sleep(args.outage)  # the runtime is away: the daemon retries
             async with Simulator(sock) as sim:
@@ -148,6 +234,27 @@ async def main_async(args: argparse.Namespace) -> None:
                      if '"container_created"' in line]
         print(f"daemon time per container:   p50 {statistics.median(durations):.0f} us "
               f"(canonical log line, n={len(durations)})")
+        await sigterm_to_exit(tmp, config)
+
+
+async def sigterm_to_exit(tmp: str, config: Path) -> None:
+    """SIGTERM to process exit, a fresh daemon brought into each state."""
+    for i, state in enumerate(STATES):
+        sock, log_file = f"{tmp}/stop{i}.sock", Path(tmp, f"stop{i}.log")
+
+        def retrying(log_file: Path = log_file) -> bool:
+            return log_file.exists() and '"runtime_unavailable"' in log_file.read_text()
+
+        def start(sock: str = sock, log_file: Path = log_file) -> subprocess.Popen[bytes]:
+            return subprocess.Popen(daemon_command(sock, config, str(log_file)),
+                                    stdin=subprocess.DEVNULL)
+
+        async with in_state(state, sock, start, retrying) as proc:
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            status = await asyncio.to_thread(proc.wait, 60)
+            elapsed = time.monotonic() - t0
+        print(f"SIGTERM to exit, {state + ':':<48} {elapsed * 1000:4.0f} ms (exit {status})")
 
 
 def main() -> int:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemon import write_daemon_files
 
 ASYNC_TEST_TIMEOUT = 60.0
 
@@ -40,3 +41,9 @@ def short_dir() -> Iterator[Path]:
 @pytest.fixture
 def sock_path(short_dir: Path) -> str:
     return str(short_dir / "nri.sock")
+
+
+@pytest.fixture
+def daemon_files(short_dir: Path) -> dict[str, str]:
+    """Inventory, config, log and socket paths of a daemon run (see daemon.py)."""
+    return write_daemon_files(short_dir)

@@ -1,25 +1,22 @@
 """`nri-accel run` as a subprocess against the runtime simulator over real sockets.
 
-The daemon gets a small saved inventory (four GPUs, the NVIDIA driver's control node
-and nvidia-smi) and a standalone-mode config, so pod annotations grant devices. The
-simulator plays containerd; tests drive it and read the daemon's JSON log file.
+The daemon runs on daemon.py's four-GPU inventory in standalone mode, so pod
+annotations grant devices. The simulator plays containerd; tests drive it and read
+the daemon's JSON log file.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any
 
 import pytest
+from daemon import gpu_request, key, log_events, run_args, start_daemon, stop
 
-from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Inventory, Mount
 from nri_accel.nri import mux
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import (
@@ -31,67 +28,6 @@ from nri_accel.nri.simulator import (
 )
 from nri_accel.nri.stub import PLUGIN_SERVICE
 from nri_accel.ttrpc import Code, Frame, FrameDecoder, FrameType, encode_frame, ttrpc_pb2
-from nri_accel.vendors.nvidia import KIND_GPU
-
-GPUS = 4
-
-
-def _inventory() -> Inventory:
-    gpus = tuple(
-        Device(kind=KIND_GPU, name=str(i), uuid=f"GPU-{i:08d}-0000-4000-8000-000000000000",
-               vendor="nvidia",
-               edits=ContainerEdits(device_nodes=(DeviceNode(f"/dev/nvidia{i}", 195, i),)))
-        for i in range(GPUS))
-    driver = Driver("nvidia", "550.54.15", "12.4", MappingProxyType({
-        "": ContainerEdits(device_nodes=(DeviceNode("/dev/nvidiactl", 195, 255),)),
-        "utility": ContainerEdits(mounts=(Mount("/usr/bin/nvidia-smi", "/usr/bin/nvidia-smi"),)),
-        "compute": ContainerEdits(),
-    }))
-    return Inventory(devices=gpus, drivers=MappingProxyType({"nvidia": driver}))
-
-
-@pytest.fixture
-def daemon_files(short_dir: Path) -> dict[str, str]:
-    inventory = short_dir / "inventory.json"
-    inventory.write_text(_inventory().to_json())
-    config = short_dir / "config.toml"
-    config.write_text('[policy]\nmode = "standalone"\n[log]\nlevel = "debug"\n')
-    return {"inventory": str(inventory), "config": str(config),
-            "log": str(short_dir / "daemon.log"), "socket": str(short_dir / "nri.sock"),
-            "state": str(short_dir / "state")}
-
-
-def run_args(files: dict[str, str], *extra: str) -> list[str]:
-    return [sys.executable, "-m", "nri_accel.cli", "run", "--inventory", files["inventory"],
-            "--config", files["config"], "--log-file", files["log"],
-            "--state-dir", files["state"], *extra]
-
-
-def start_daemon(files: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(run_args(files, "--socket", files["socket"], *extra),
-                            stdin=subprocess.DEVNULL)
-
-
-def log_events(files: dict[str, str]) -> list[dict[str, Any]]:
-    with open(files["log"], encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    return proc.wait(timeout=10)
-
-
-def gpu_request(pod_name: str, value: str) -> tuple[pb.PodSandbox, pb.Container]:
-    pod = make_pod({"name": pod_name, "namespace": "ml",
-                    "annotations": {"devices.nri-accel.io/container.main": value}})
-    return pod, make_container(pod, {"name": "main", "env": ["PATH=/usr/bin"]})
-
-
-def key(i: int) -> str:
-    """The grant record's name of GPU i (nri_accel.inventory.Device.key)."""
-    return f"{KIND_GPU}={_inventory().devices[i].uuid}"
 
 
 def running_with(sim: Simulator, pod_name: str, granted: str) -> None:

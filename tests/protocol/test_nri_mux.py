@@ -109,7 +109,7 @@ def test_chunks_are_copies_so_the_read_buffer_can_be_reused() -> None:
 async def _pair() -> tuple[MuxProtocol, MuxProtocol, list[tuple[int, bytes]], list[object]]:
     loop = asyncio.get_running_loop()
     a, b = socket.socketpair()
-    left, right = MuxProtocol(), MuxProtocol()
+    left, right = MuxProtocol(serving=False), MuxProtocol(serving=False)
     received: list[tuple[int, bytes]] = []
     lost: list[object] = []
     for conn in (1, 2):

@@ -497,3 +497,31 @@ async def test_a_plain_handler_may_answer_later_through_an_awaitable() -> None:
         gc.collect()
     assert [w for w in caught if issubclass(w.category, RuntimeWarning)] == []
     assert len(sent) == 1
+
+
+@async_test
+async def test_requests_beyond_max_in_flight_are_refused_and_plain_ones_still_served() -> None:
+    blocker = Blocker()
+
+    def plain(ctx: CallContext, payload: bytes) -> bytes:
+        return b"inline"
+
+    sent: list[bytes] = []
+    endpoint = Endpoint(sent.append, {SVC: {"Block": blocker, "Plain": plain}}, max_in_flight=2)
+    peer = Connection()
+    for method in ("Block", "Block", "Block", "Plain"):
+        endpoint.data_received(peer.request(SVC, method, b"")[1])
+    answers = {e.stream_id: e for f in sent for e in peer.receive(f)}
+    assert set(answers) == {5, 7}  # the third Block and Plain; the first two run
+    assert answers[5].code == Code.RESOURCE_EXHAUSTED and "2 requests" in answers[5].message
+    assert answers[7].payload == b"inline"
+    blocker.release.set()
+    while len(sent) < 4:
+        await asyncio.sleep(0)
+    endpoint.data_received(peer.request(SVC, "Block", b"")[1])  # room again
+    while len(sent) < 5:
+        await asyncio.sleep(0)
+    (last,) = peer.receive(sent[-1])
+    assert isinstance(last, ResponseReceived) and last.payload == b"released"
+    with pytest.raises(ValueError):
+        Endpoint(sent.append, max_in_flight=0)

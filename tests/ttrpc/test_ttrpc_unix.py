@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from ttrpc_testing import async_test
 
-from nri_accel.ttrpc import CallContext, Code, TtrpcError, connect_unix, serve_unix
+from nri_accel.ttrpc import CallContext, Code, Connection, TtrpcError, connect_unix, serve_unix
 
 SVC = "test.v1.Svc"
 
@@ -71,3 +71,48 @@ async def test_a_client_can_serve_the_server_side_too(sock_path: Path) -> None:
         (server_side,) = server.endpoints  # ...but may call the client
         assert await server_side.call("Client", "Ping") == b"pong"
         client.close()
+
+
+@async_test
+async def test_a_client_that_does_not_read_stops_the_server_reading_until_it_does(
+    sock_path: Path,
+) -> None:
+    async def fill(ctx: CallContext, payload: bytes) -> bytes:
+        return b"x" * 1000  # answers much larger than the requests
+
+    requests = 20_000
+    async with await serve_unix(sock_path, {SVC: {"Fill": fill}}):
+        reader, writer = await asyncio.open_unix_connection(str(sock_path))
+        peer = Connection()
+        writer.write(b"".join(peer.request(SVC, "Fill", b"")[1] for _ in range(requests)))
+        last = -1
+        while writer.transport.get_write_buffer_size() not in (0, last):
+            last = writer.transport.get_write_buffer_size()
+            await asyncio.sleep(0.2)
+        # The server stopped reading with most requests unread: 20 MB of answers would
+        # otherwise wait in its memory for a client that does not read them.
+        assert writer.transport.get_write_buffer_size() > 0
+        answered = 0
+        while answered < requests:
+            data = await reader.read(1 << 16)
+            assert data, "the server closed the connection"
+            answered += len(peer.receive(data))
+        writer.close()
+        await writer.wait_closed()
+
+
+@async_test
+async def test_a_client_with_many_large_calls_in_flight_does_not_deadlock(
+    sock_path: Path,
+) -> None:
+    async def echo(ctx: CallContext, payload: bytes) -> bytes:
+        return payload
+
+    payload = b"p" * (256 * 1024)
+    async with await serve_unix(sock_path, {SVC: {"Echo": echo}}):
+        client = await connect_unix(sock_path)
+        # 25 MB each way at once: both write buffers overflow; the client keeps reading
+        answers = await asyncio.gather(*(client.call(SVC, "Echo", payload) for _ in range(100)))
+        assert answers == [payload] * 100
+        client.close()
+        await client.closed()
