@@ -227,7 +227,8 @@ def _run(app: App, args: argparse.Namespace, fd: int | None) -> int:
 async def _serve(app: App, engine: Engine, checkpoint: Checkpoint, identity: Any,
                  fd: int | None, socket_path: str | None) -> int:
     config = app.config
-    writer = CheckpointWriter(checkpoint, engine.holdings.snapshot)
+    writer = CheckpointWriter(checkpoint, engine.holdings.snapshot,
+                              known=lambda: engine.holdings.known)
     writer.changed()  # every run writes one before it serves (see nri_accel.state)
     await writer.flush()
     stub = Stub(AccelPlugin(engine, writer.changed), identity,

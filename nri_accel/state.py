@@ -30,13 +30,18 @@ The checkpoint (`<state dir>/grants.json`) is written after every change, off th
 loop, atomically (a temporary file, fsync, rename, fsync of the directory: kubelet's
 device-manager checkpoint does the same) and read at start:
 
-    {"version": 1, "boot_id": "...", "grants": [{"container_id": ..., "pod_uid": ...,
-      "pod_id": ..., "name": "ns/pod/container", "exclusive": [keys], "shared": [keys]}]}
+    {"version": 1, "boot_id": "...", "known": true, "grants": [{"container_id": ...,
+      "pod_uid": ..., "pod_id": ..., "name": "ns/pod/container", "exclusive": [keys],
+      "shared": [keys]}]}
 
 A checkpoint of another boot holds nothing (no container survives a reboot). A missing
 one means nri-accel never granted anything on this boot: every `run` writes one before
 it serves (Checkpoint.save on start). One that cannot be read leaves the state unknown:
-count requests are then refused (StateError) until a Synchronize tells what runs.
+count requests are then refused (StateError) until a Synchronize tells what runs. The
+unknown state is written down ("known": false, with whatever was granted since), so that
+it outlives the unreadable file that `run` replaces: a plugin that never gets a
+Synchronize (containerd 1.7 launching it) and restarts again must not read "nothing is
+held" into a checkpoint that only said "not known". An absent "known" means true.
 """
 
 from __future__ import annotations
@@ -268,6 +273,7 @@ class Holdings:
 
     def to_json(self, boot_id: str) -> str:
         return json.dumps({"version": CHECKPOINT_VERSION, "boot_id": boot_id,
+                           "known": self.known,
                            "grants": [g.to_dict() for g in self.grants()]},
                           separators=(",", ":")) + "\n"
 
@@ -292,7 +298,8 @@ class Checkpoint:
     def load(self) -> tuple[list[Grant], bool]:
         """(grants, known): the grants of this boot; ([], True) when there is no
         checkpoint or it is another boot's; ([], False) when it cannot be read, with an
-        error logged saying why."""
+        error logged saying why; (grants, False) when it says the state was not known
+        (written while unknown)."""
         try:
             with open(self.path, "rb") as f:
                 data = f.read(MAX_CHECKPOINT_BYTES + 1)
@@ -311,6 +318,8 @@ class Checkpoint:
                 raise ValueError(f"not a version {CHECKPOINT_VERSION} checkpoint")
             if not isinstance(doc.get("grants"), list):
                 raise ValueError("grants must be a list")
+            if not isinstance(doc.get("known", True), bool):
+                raise ValueError("known must be true or false")
             grants = [Grant.from_dict(g) for g in doc["grants"]]
         except ValueError as e:
             log.error("checkpoint_unreadable", path=self.path, error=str(e))
@@ -320,8 +329,13 @@ class Checkpoint:
             log.info("checkpoint_of_another_boot", path=self.path, grants=len(grants),
                      meaning="no container survives a reboot: nothing is held")
             return [], True
-        log.info("checkpoint_loaded", path=self.path, grants=len(grants))
-        return grants, True
+        known = doc.get("known", True)
+        if not known:
+            log.warning("checkpoint_state_unknown", path=self.path, grants=len(grants),
+                        meaning="an earlier run could not read its checkpoint and no "
+                                "Synchronize has told what runs since: counts are refused")
+        log.info("checkpoint_loaded", path=self.path, grants=len(grants), known=known)
+        return grants, known
 
     def save(self, text: str) -> None:
         """Write `text` (Holdings.to_json) atomically. Raises OSError."""
@@ -414,11 +428,15 @@ class CheckpointWriter:
     """Writes the checkpoint after changes, off the event loop, one write at a time:
     changes made while a write is in flight are written by the next one (so a burst of
     creates costs a few writes, not one each). `snapshot` returns the grants to write
-    (cheap, taken on the loop); serialising and writing happen in a worker thread."""
+    and `known` whether the state is known (Holdings.known: the checkpoint keeps it;
+    always, when not given), both cheap and taken on the loop; serialising and writing
+    happen in a worker thread."""
 
-    def __init__(self, checkpoint: Checkpoint, snapshot: Callable[[], Iterable[Grant]]) -> None:
+    def __init__(self, checkpoint: Checkpoint, snapshot: Callable[[], Iterable[Grant]],
+                 known: Callable[[], bool] | None = None) -> None:
         self.checkpoint = checkpoint
         self._snapshot = snapshot
+        self._known = known or (lambda: True)
         self._dirty = False
         self._task: asyncio.Task[None] | None = None
         self.failures = 0
@@ -437,9 +455,9 @@ class CheckpointWriter:
     async def _drain(self) -> None:
         while self._dirty:
             self._dirty = False
-            grants = tuple(self._snapshot())
+            grants, known = tuple(self._snapshot()), self._known()
             try:
-                await asyncio.to_thread(self._write, grants)
+                await asyncio.to_thread(self._write, grants, known)
             except OSError as e:
                 self.failures += 1
                 log.error("checkpoint_write_failed", path=self.checkpoint.path,
@@ -448,7 +466,7 @@ class CheckpointWriter:
             else:
                 self.failures = 0
 
-    def _write(self, grants: tuple[Grant, ...]) -> None:
+    def _write(self, grants: tuple[Grant, ...], known: bool) -> None:
         holdings = Holdings()
-        holdings.replace_all(grants)
+        holdings.replace_all(grants, known=known)
         self.checkpoint.save(holdings.to_json(self.checkpoint.boot_id))

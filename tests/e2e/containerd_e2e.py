@@ -1,13 +1,18 @@
-"""Harness of the end-to-end test against a real containerd (test_containerd.py).
+"""Harness of the end-to-end tests against a real containerd (test_containerd.py,
+test_preregistered.py).
 
 Owns: the private containerd configuration (NRI on, CRI with a locally imported sandbox
 image, runc from the fetched packages, every path under one temporary directory), the
-containerd and `nri-accel run` subprocesses and their logs, the OCI image archive built
-in Python around a static pause binary compiled from pause.c, the CRI client compiled
-at test time from cri_api.proto, and the cleanup that leaves nothing behind (shims,
-runc containers, mounts, cgroups) even when a test fails half way, and the placeholder
-inventory for the container that starts. Imports the standard library and grpc_tools;
-no nri_accel module (it reads the inventory's JSON form).
+containerd process (started, stopped alone and started again as a service restart would,
+its JSON log read from a mark), `nri-accel run` as an external plugin subprocess
+(Plugin) or as a pre-registered plugin containerd launches itself (LaunchedPlugin: a
+launcher script in plugin_path), their logs, the OCI image archive built in Python
+around a static pause binary compiled from pause.c, the CRI client compiled at test time
+from cri_api.proto and the calls kubelet makes with it (CriClient), the cleanup that
+leaves nothing behind (shims, runc containers, mounts, cgroups, plugin processes) even
+when a test fails half way, and the placeholder inventory for containers that start.
+Imports the standard library, grpc and grpc_tools; no nri_accel module (it reads the
+inventory's JSON form).
 
 The binaries come from tests/e2e/fetch-containerd.sh: NRI_ACCEL_E2E_BIN names a
 directory of containerd-* directories (what the script prints), each holding containerd,
@@ -28,11 +33,13 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import tarfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +53,10 @@ TOOLS = ("containerd", "ctr", "containerd-shim-runc-v2", "runc")
 NAMESPACE = "k8s.io"  # containerd's CRI namespace
 IMAGE = "e2e.nri-accel.local/pause:1"
 PLUGIN_NAME, PLUGIN_IDX = "nri-accel", "40"
+FULL_NAME = f"{PLUGIN_IDX}-{PLUGIN_NAME}"
+DEMO_INVENTORY = REPO / "nri_accel" / "demo" / "inventory.json"  # an 8-GPU node
 START_TIMEOUT = 20.0  # seconds for containerd to serve, or the plugin to register
+RPC_TIMEOUT = 30.0  # seconds for one CRI call
 # The image's platform: the host's, in OCI (Go) architecture names.
 ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
 
@@ -86,6 +96,20 @@ def find_runtimes(path: Path) -> list[Runtime]:
         return [Runtime(path, (0, 0, 0), f"{path} holds no containerd, nor any directory "
                                          "that does: run tests/e2e/fetch-containerd.sh")]
     return [_runtime(d) for d in dirs]
+
+
+def runtime_problem(runtime: Runtime) -> str:
+    """Why the tests cannot run on `runtime` ("" when they can): it did not run, a tool
+    is missing, or this is not root. The tests fail on it, never skip."""
+    if runtime.error:
+        return f"{BIN_ENV}: {runtime.error}"
+    missing = [t for t in TOOLS if not os.access(runtime.bin_dir / t, os.X_OK)]
+    if missing:
+        return (f"{BIN_ENV}: {runtime.bin_dir} lacks {', '.join(missing)}: "
+                "run tests/e2e/fetch-containerd.sh")
+    if os.geteuid() != 0:
+        return "the containerd end-to-end test needs root (containerd, runc, mounts)"
+    return ""
 
 
 def parse_version(text: str) -> tuple[int, int, int] | None:
@@ -166,6 +190,64 @@ def compile_cri(out: Path) -> tuple[ModuleType, ModuleType]:
     return pb2, pb2_grpc
 
 
+@dataclass(kw_only=True)
+class CriClient:
+    """CRI calls as kubelet makes them, on a containerd's socket: pods with host
+    networking in `cgroup_parent`, one container each running IMAGE's /pause. Every pod
+    it runs is listed in `sandboxes` until removed (remove_pods removes what is left)."""
+
+    pb2: Any  # the compiled cri_api_pb2
+    cri: Any  # its RuntimeServiceStub
+    cgroup_parent: str
+    sandboxes: list[str] = field(default_factory=list)
+
+    def run_pod(self, name: str, annotations: dict[str, str]) -> tuple[str, Any]:
+        """Run a pod sandbox; its id and the config to create its containers with."""
+        pb = self.pb2
+        config = pb.PodSandboxConfig(
+            metadata=pb.PodSandboxMetadata(name=name, uid=str(uuid.uuid4()),
+                                           namespace="default"),
+            annotations=annotations,
+            linux=pb.LinuxPodSandboxConfig(
+                cgroup_parent=self.cgroup_parent,
+                security_context=pb.LinuxSandboxSecurityContext(
+                    namespace_options=pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER,
+                                                         ipc=pb.POD))))
+        reply = self.cri.RunPodSandbox(pb.RunPodSandboxRequest(config=config),
+                                       timeout=RPC_TIMEOUT)
+        self.sandboxes.append(reply.pod_sandbox_id)
+        return reply.pod_sandbox_id, config
+
+    def create_container(self, sandbox_id: str, sandbox_config: Any, name: str) -> str:
+        pb = self.pb2
+        config = pb.ContainerConfig(metadata=pb.ContainerMetadata(name=name),
+                                    image=pb.ImageSpec(image=IMAGE), command=["/pause"])
+        reply = self.cri.CreateContainer(
+            pb.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config,
+                                      sandbox_config=sandbox_config), timeout=RPC_TIMEOUT)
+        return reply.container_id
+
+    def start_container(self, container_id: str) -> None:
+        self.cri.StartContainer(self.pb2.StartContainerRequest(container_id=container_id),
+                                timeout=RPC_TIMEOUT)
+
+    def remove_pod(self, sandbox_id: str) -> None:
+        pb = self.pb2
+        self.cri.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id),
+                                timeout=RPC_TIMEOUT)
+        self.cri.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id),
+                                  timeout=RPC_TIMEOUT)
+        self.sandboxes.remove(sandbox_id)
+
+    def remove_pods(self) -> None:
+        """Remove every pod still listed, ignoring failures (cleanup)."""
+        import grpc
+
+        for sandbox_id in list(self.sandboxes):
+            with contextlib.suppress(grpc.RpcError):
+                self.remove_pod(sandbox_id)
+
+
 # ---- the image ------------------------------------------------------------------------
 
 def build_pause(out_dir: Path) -> Path:
@@ -220,6 +302,32 @@ def write_image_archive(path: Path, binary: Path, name: str) -> None:
         _tar_member(tar, "index.json", json.dumps(index).encode())
         for digest, data in sorted(blobs.items()):
             _tar_member(tar, "blobs/sha256/" + digest.partition(":")[2], data)
+
+
+@dataclass(frozen=True)
+class Assets:
+    """What every containerd's run shares: the CRI modules, the image archive, the
+    snapshotter that works here and nri-accel's configuration."""
+
+    pb2: Any
+    pb2_grpc: Any
+    image: Path
+    snapshotter: str
+    config: Path
+
+
+def build_assets(base: Path) -> Assets:
+    """The Assets, built under `base`: the CRI client compiled, the pause image built,
+    overlay probed, and nri-accel's configuration (the standalone trust policy, so that
+    pod annotations grant; debug logs)."""
+    pb2, pb2_grpc = compile_cri(base / "cri")
+    image = base / "pause.oci.tar"
+    write_image_archive(image, build_pause(base), IMAGE)
+    snapshotter = "overlayfs" if overlay_works(base / "overlay-probe") else "native"
+    config = base / "nri-accel.toml"
+    # debug: the stub logs each non-final chunk of a split Synchronize (sync_chunk)
+    config.write_text('[policy]\nmode = "standalone"\n\n[log]\nlevel = "debug"\n')
+    return Assets(pb2, pb2_grpc, image, snapshotter, config)
 
 
 # ---- containerd ---------------------------------------------------------------------
@@ -373,13 +481,20 @@ state = "{b}/state"
   stream_server_port = "0"
 """
 
+    @property
+    def plugin_dir(self) -> Path:
+        """plugin_path: the pre-registered plugins containerd launches when it starts."""
+        return self.base / "nri" / "plugins"
+
     def start(self) -> None:
+        """Start containerd (again, after stop_daemon: its log is appended to) and return
+        once it serves."""
         for d in ("nri/plugins", "nri/conf.d", "cni/bin", "cni/net.d", "opt"):
             (self.base / d).mkdir(parents=True, exist_ok=True)
         config = self.base / "config.toml"
         config.write_text(self.config_text())
         env = dict(os.environ, PATH=f"{self.bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}")
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop_daemon)
         self.proc = subprocess.Popen([str(self.bin_dir / "containerd"), "--config", str(config)],
                                      stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -406,22 +521,38 @@ state = "{b}/state"
         """The OCI runtime spec containerd stored for a container."""
         return json.loads(self.ctr("containers", "info", "--spec", container_id))
 
-    def task_pid(self, container_id: str) -> int:
-        """The host pid of a started container's process (from runc's state)."""
+    def task_state(self, container_id: str) -> dict[str, Any]:
+        """runc's state of a started container: its "status" (running, stopped, ...),
+        the host "pid" of its process, ..."""
         state = run_checked([str(self.bin_dir / "runc"), "--root",
                              str(self.runc_root / NAMESPACE), "state", container_id])
-        return int(json.loads(state)["pid"])
+        return dict(json.loads(state))
 
-    def log_entries(self) -> list[dict[str, Any]]:
-        """containerd's log, one dict per JSON line (other lines are skipped)."""
+    def task_pid(self, container_id: str) -> int:
+        """The host pid of a started container's process (from runc's state)."""
+        return int(self.task_state(container_id)["pid"])
+
+    def log_entries(self, since: int = 0) -> list[dict[str, Any]]:
+        """containerd's log, one dict per JSON line (other lines are skipped), from byte
+        offset `since` (a mark())."""
         entries = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        for line in text.splitlines():
             with contextlib.suppress(ValueError):
                 entries.append(json.loads(line))
         return entries
 
-    def messages(self) -> list[str]:
-        return [str(e.get("msg", "")) for e in self.log_entries()]
+    def messages(self, since: int = 0) -> list[str]:
+        return [str(e.get("msg", "")) for e in self.log_entries(since)]
+
+    def mark(self) -> int:
+        """Where the log ends now: messages(since=mark()) is what containerd logs next."""
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
 
     def diagnose(self) -> str:
         """The end of containerd's log, minus the plugin loading chatter."""
@@ -431,10 +562,10 @@ state = "{b}/state"
                      ("loading plugin", "skip loading plugin", "Start cri plugin with config"))]
         return f"--- containerd log ({self.log_path}):\n" + "\n".join(lines[-40:])
 
-    def stop(self) -> None:
-        """Stop containerd and remove what it left: shims, runc containers, mounts,
-        cgroups, shim sockets. Safe to call after a partial start."""
-        shims = self._our_shims()
+    def stop_daemon(self) -> int | None:
+        """Stop the containerd process alone (SIGTERM, SIGKILL after 10 s), as a service
+        manager restarting it would: shims and containers keep running. Returns its exit
+        status (None if it never started)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -442,6 +573,16 @@ state = "{b}/state"
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return None if self.proc is None else self.proc.returncode
+
+    def stop(self) -> None:
+        """Stop containerd and remove what it left: shims, runc containers, mounts,
+        cgroups, shim sockets. Safe to call after a partial start."""
+        shims = self._our_shims()
+        self.stop_daemon()
         for pid in shims:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -449,9 +590,6 @@ state = "{b}/state"
         self._remove_shim_sockets()
         unmount_under(self.base)
         remove_cgroup(self.cgroup_parent)
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
 
     def _our_shims(self) -> list[int]:
         """Pids of the shims serving this containerd: our shim binary (containerd runs
@@ -558,34 +696,11 @@ def placeholder_inventory(source: Path, dest: Path) -> Path:
     return out
 
 
-@dataclass
-class Plugin:
-    """`nri-accel run` as a subprocess logging JSON lines to `log_path`."""
+class PluginLog:
+    """What reads an nri-accel's structured log (`log_path`, JSON lines; its stderr
+    beside it, `.stderr`)."""
 
-    socket: Path
-    inventory: Path
-    config: Path
     log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    _stderr_file: Any = field(default=None, repr=False)
-
-    def start(self) -> None:
-        exe = Path(sys.executable).parent / "nri-accel"
-        if not exe.exists():
-            raise E2EError(f"{exe} not found: install the package in this virtualenv "
-                           "(make setup)")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("NRI_PLUGIN_")}
-        self.proc = subprocess.Popen(
-            [str(exe), "run", "--socket", str(self.socket), "--name", PLUGIN_NAME,
-             "--idx", PLUGIN_IDX, "--inventory", str(self.inventory),
-             "--config", str(self.config), "--log-file", str(self.log_path),
-             "--state-dir", str(self.log_path.parent / "state")],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._stderr(),
-            env=env)
-
-    def _stderr(self) -> Any:
-        self._stderr_file = open(self.log_path.with_suffix(".stderr"), "ab")  # noqa: SIM115
-        return self._stderr_file
 
     def events(self) -> list[dict[str, Any]]:
         """The plugin's structured log, one dict per line."""
@@ -606,6 +721,43 @@ class Plugin:
         return (f"--- nri-accel log ({self.log_path}):\n{tail(self.log_path)}\n"
                 f"--- nri-accel stderr:\n{tail(stderr)}")
 
+
+def nri_accel_exe() -> Path:
+    """This virtualenv's `nri-accel`."""
+    exe = Path(sys.executable).parent / "nri-accel"
+    if not exe.exists():
+        raise E2EError(f"{exe} not found: install the package in this virtualenv "
+                       "(make setup)")
+    return exe
+
+
+@dataclass
+class Plugin(PluginLog):
+    """`nri-accel run` as a subprocess (an external plugin: it connects to `socket`)
+    logging JSON lines to `log_path`."""
+
+    socket: Path
+    inventory: Path
+    config: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    _stderr_file: Any = field(default=None, repr=False)
+
+    def start(self) -> None:
+        exe = nri_accel_exe()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NRI_PLUGIN_")}
+        self.proc = subprocess.Popen(
+            [str(exe), "run", "--socket", str(self.socket), "--name", PLUGIN_NAME,
+             "--idx", PLUGIN_IDX, "--inventory", str(self.inventory),
+             "--config", str(self.config), "--log-file", str(self.log_path),
+             "--state-dir", str(self.log_path.parent / "state")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._stderr(),
+            env=env)
+
+    def _stderr(self) -> Any:
+        self._stderr_file = open(self.log_path.with_suffix(".stderr"), "ab")  # noqa: SIM115
+        return self._stderr_file
+
     def stop(self) -> int | None:
         """SIGTERM, then SIGKILL after 10 s; returns the exit status."""
         if self.proc is None:
@@ -621,3 +773,64 @@ class Plugin:
             self._stderr_file.close()
             self._stderr_file = None
         return self.proc.returncode
+
+
+@dataclass
+class LaunchedPlugin(PluginLog):
+    """`nri-accel run` as a pre-registered plugin: containerd runs the file
+    <plugin_path>/NN-name itself when it starts (NRI's startPlugins and
+    newLaunchedPlugin), with no arguments, NRI_PLUGIN_NAME, NRI_PLUGIN_IDX and
+    NRI_PLUGIN_SOCKET=3 as its whole environment, one end of a socketpair as fd 3 and
+    stdio on /dev/null. No flag can be passed that way, and the test must not write the
+    real /etc/nri-accel/config.toml nor use /run/nri-accel: the file is a shell script
+    that execs this virtualenv's nri-accel with the test's --config, --inventory,
+    --state-dir and --log-file (its stderr to a file beside the log, for tracebacks
+    before logging starts). The name and index still come from containerd's
+    environment. install() rewrites it before each containerd start, so that each launch
+    logs to its own file."""
+
+    plugin_dir: Path
+    inventory: Path
+    config: Path
+    state_dir: Path
+    log_path: Path = field(default=Path("/nonexistent"))
+
+    @property
+    def path(self) -> Path:
+        return self.plugin_dir / f"{PLUGIN_IDX}-{PLUGIN_NAME}"
+
+    def install(self, log_path: Path) -> None:
+        """Write the launcher so that the next launch logs to `log_path`."""
+        self.log_path = log_path
+        argv = [str(nri_accel_exe()), "run", "--config", str(self.config),
+                "--inventory", str(self.inventory), "--state-dir", str(self.state_dir),
+                "--log-file", str(log_path)]
+        stderr = shlex.quote(str(log_path.with_suffix(".stderr")))
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(".launcher.tmp")
+        tmp.write_text("#!/bin/sh\n# written by tests/e2e/containerd_e2e.py (LaunchedPlugin)\n"
+                       f"exec {shlex.join(argv)} 2>>{stderr}\n")
+        tmp.chmod(0o755)
+        tmp.rename(self.path)
+
+    def pids(self) -> list[int]:
+        """The live processes of this plugin: nri-accel run with our --state-dir."""
+        wanted = ("--state-dir", str(self.state_dir))
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                zombie = (entry / "stat").read_text().rpartition(")")[2].split()[0] == "Z"
+            except (OSError, IndexError):
+                continue
+            if not zombie and "run" in args and wanted in set(itertools.pairwise(args)):
+                pids.append(int(entry.name))
+        return pids
+
+    def kill(self) -> None:
+        """SIGKILL whatever process of this plugin is left (cleanup)."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

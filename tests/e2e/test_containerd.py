@@ -22,11 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import stat
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,22 +32,19 @@ import grpc
 import pytest
 from containerd_e2e import (
     BIN_ENV,
-    IMAGE,
-    PLUGIN_IDX,
-    PLUGIN_NAME,
-    REPO,
-    TOOLS,
+    DEMO_INVENTORY,
+    FULL_NAME,
+    RPC_TIMEOUT,
+    Assets,
     Containerd,
+    CriClient,
     Plugin,
     Runtime,
-    build_pause,
-    compile_cri,
     find_runtimes,
-    overlay_works,
     parse_version,
     placeholder_inventory,
+    runtime_problem,
     wait_for,
-    write_image_archive,
 )
 
 from nri_accel.inventory import Inventory
@@ -62,70 +57,22 @@ if not os.environ.get(BIN_ENV):
                 allow_module_level=True)
 
 RUNTIMES = find_runtimes(Path(os.environ[BIN_ENV]))
-DEMO_INVENTORY = REPO / "nri_accel" / "demo" / "inventory.json"
-FULL_NAME = f"{PLUGIN_IDX}-{PLUGIN_NAME}"
 POD_ANNOTATION = "devices.nri-accel.io/pod"
 GRANTED = "nri-accel.io/granted"
-RPC_TIMEOUT = 30.0
 TTRPC_MAX_MESSAGE = 4 << 20  # ttrpc's limit on one message, NRI's transport
 SPLIT_PODS = 10
 
 
-@dataclass
-class Node:
-    """The running containerd + nri-accel, and a CRI client on containerd's socket."""
+@dataclass(kw_only=True)
+class Node(CriClient):
+    """The running containerd + nri-accel (external), and a CRI client on containerd's
+    socket."""
 
     containerd: Containerd
     plugin: Plugin
-    pb2: Any
-    cri: Any  # RuntimeServiceStub
-    cgroup_parent: str
-    sandboxes: list[str] = field(default_factory=list)
-
-    def run_pod(self, name: str, annotations: dict[str, str]) -> tuple[str, Any]:
-        pb = self.pb2
-        config = pb.PodSandboxConfig(
-            metadata=pb.PodSandboxMetadata(name=name, uid=str(uuid.uuid4()),
-                                           namespace="default"),
-            annotations=annotations,
-            linux=pb.LinuxPodSandboxConfig(
-                cgroup_parent=self.cgroup_parent,
-                security_context=pb.LinuxSandboxSecurityContext(
-                    namespace_options=pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER,
-                                                         ipc=pb.POD))))
-        reply = self.cri.RunPodSandbox(pb.RunPodSandboxRequest(config=config),
-                                       timeout=RPC_TIMEOUT)
-        self.sandboxes.append(reply.pod_sandbox_id)
-        return reply.pod_sandbox_id, config
-
-    def create_container(self, sandbox_id: str, sandbox_config: Any, name: str) -> str:
-        pb = self.pb2
-        config = pb.ContainerConfig(metadata=pb.ContainerMetadata(name=name),
-                                    image=pb.ImageSpec(image=IMAGE), command=["/pause"])
-        reply = self.cri.CreateContainer(
-            pb.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config,
-                                      sandbox_config=sandbox_config), timeout=RPC_TIMEOUT)
-        return reply.container_id
-
-    def start_container(self, container_id: str) -> None:
-        self.cri.StartContainer(self.pb2.StartContainerRequest(container_id=container_id),
-                                timeout=RPC_TIMEOUT)
-
-    def remove_pod(self, sandbox_id: str) -> None:
-        pb = self.pb2
-        self.cri.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=sandbox_id),
-                                timeout=RPC_TIMEOUT)
-        self.cri.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id),
-                                  timeout=RPC_TIMEOUT)
-        self.sandboxes.remove(sandbox_id)
 
     def diagnose(self) -> str:
         return f"{self.containerd.diagnose()}\n{self.plugin.diagnose()}"
-
-    def remove_pods(self) -> None:
-        for sandbox_id in list(self.sandboxes):
-            with contextlib.suppress(grpc.RpcError):
-                self.remove_pod(sandbox_id)
 
     def restart_plugin(self, inventory: Path, log_name: str) -> None:
         """Stop nri-accel (it must exit 0) and start it again on `inventory`, logging
@@ -160,51 +107,14 @@ class Node:
                  diagnose=self.diagnose)
 
 
-def _require_tools(runtime: Runtime) -> None:
-    if runtime.error:
-        pytest.fail(f"{BIN_ENV}: {runtime.error}")
-    missing = [t for t in TOOLS if not os.access(runtime.bin_dir / t, os.X_OK)]
-    if missing:
-        pytest.fail(f"{BIN_ENV}: {runtime.bin_dir} lacks {', '.join(missing)}: "
-                    "run tests/e2e/fetch-containerd.sh")
-    if os.geteuid() != 0:
-        pytest.fail("the containerd end-to-end test needs root (containerd, runc, mounts)")
-
-
-@dataclass(frozen=True)
-class Assets:
-    """What every containerd's run shares: the CRI modules, the image archive, the
-    snapshotter that works here and nri-accel's configuration."""
-
-    pb2: Any
-    pb2_grpc: Any
-    image: Path
-    snapshotter: str
-    config: Path
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
-    if shutil.which("cc") is None:
-        pytest.fail("the containerd end-to-end test needs cc to build its pause image")
-    base = tmp_path_factory.mktemp("assets")
-    pb2, pb2_grpc = compile_cri(base / "cri")
-    image = base / "pause.oci.tar"
-    write_image_archive(image, build_pause(base), IMAGE)
-    snapshotter = "overlayfs" if overlay_works(base / "overlay-probe") else "native"
-    config = base / "nri-accel.toml"
-    # debug: the stub logs each non-final chunk of a split Synchronize (sync_chunk)
-    config.write_text('[policy]\nmode = "standalone"\n\n[log]\nlevel = "debug"\n')
-    return Assets(pb2, pb2_grpc, image, snapshotter, config)
-
-
 @pytest.fixture(scope="module", params=RUNTIMES, ids=lambda r: r.id)
 def node(request: pytest.FixtureRequest, assets: Assets,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """containerd and nri-accel, started once per containerd (the tests run on one,
     then on the next)."""
     runtime: Runtime = request.param
-    _require_tools(runtime)
+    if problem := runtime_problem(runtime):
+        pytest.fail(problem)
     base = tmp_path_factory.mktemp(runtime.id)
     cgroup_parent = f"/nri-accel-e2e-{os.getpid()}"
     containerd = Containerd(runtime, base / "c", assets.snapshotter, cgroup_parent)
@@ -215,9 +125,11 @@ def node(request: pytest.FixtureRequest, assets: Assets,
         containerd.import_image(assets.image)
         channel = grpc.insecure_channel(f"unix://{containerd.address}")
         cleanup.callback(channel.close)
-        n = Node(containerd, Plugin(containerd.nri_socket, DEMO_INVENTORY, config,
-                                    base / "nri-accel.log"),
-                 pb2, assets.pb2_grpc.RuntimeServiceStub(channel), cgroup_parent)
+        n = Node(containerd=containerd,
+                 plugin=Plugin(containerd.nri_socket, DEMO_INVENTORY, config,
+                               base / "nri-accel.log"),
+                 pb2=pb2, cri=assets.pb2_grpc.RuntimeServiceStub(channel),
+                 cgroup_parent=cgroup_parent)
         cleanup.callback(lambda: n.plugin.stop())  # whichever plugin runs by then
         n.plugin.start()
         n.wait_registered(n.plugin)
@@ -308,7 +220,8 @@ def test_granted_gpu_lands_in_the_oci_spec(node: Node,
     env = dict(e.partition("=")[::2] for e in spec["process"]["env"])
     assert env["NVIDIA_VISIBLE_DEVICES"] == gpu.uuid
     assert gpu.uuid.startswith("GPU-")
-    assert spec["annotations"][GRANTED] == "nvidia.com/gpu=0"
+    # the grant's record names the device by what stays true of it, its UUID
+    assert spec["annotations"][GRANTED] == f"nvidia.com/gpu={gpu.uuid}"
     created = node.plugin.event("container_created")
     assert created is not None and created["devices"] == ["nvidia.com/gpu=0"]
 

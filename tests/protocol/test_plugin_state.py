@@ -99,6 +99,40 @@ async def test_the_checkpoint_follows_every_change(tmp_path: Path):
     assert checkpoint.load() == ([], True)
 
 
+async def test_an_unreadable_checkpoint_stays_unknown_across_restarts_until_synchronize(
+        tmp_path: Path):
+    # Seen against containerd 1.7.24 (tests/e2e): it never synchronises a plugin it
+    # launches, so nothing but the checkpoint says what runs. Each start of `run` writes
+    # the checkpoint before it serves (as _serve does); that write must keep "not known",
+    # or the next restart reads "nothing held" and a count takes a held GPU.
+    (tmp_path / CHECKPOINT_FILE).write_text("{garbage")
+    pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 1"}})
+    named = make_pod({"name": "n", "annotations": {KEY: "nvidia.com/gpu=2"}})
+    named_ctr = make_container(named, {"name": "main"})
+    for launch in range(3):  # the start after the unreadable file, then two more
+        engine = Engine(demo_inventory(), STANDALONE)
+        checkpoint = Checkpoint(str(tmp_path), boot_id="boot-1")
+        engine.load_checkpoint(*checkpoint.load())
+        writer = CheckpointWriter(checkpoint, engine.holdings.snapshot,
+                                  known=lambda e=engine: e.holdings.known)
+        accel = AccelPlugin(engine, writer.changed)
+        writer.changed()
+        await writer.flush()
+        with pytest.raises(RequestError) as e:
+            accel.create_container(pod, make_container(pod, {"name": "main"}))
+        assert e.value.status == "UNAVAILABLE"
+        if launch == 0:  # a named device is still served, and its grant kept
+            accel.create_container(named, named_ctr)
+            await writer.flush()
+        assert held(engine) == {named_ctr.id: ("nvidia.com/gpu=2",)}
+        assert json.loads((tmp_path / CHECKPOINT_FILE).read_text())["known"] is False
+    # A Synchronize says what runs: the state is known from then on, and stays so.
+    accel.synchronize([named], [named_ctr])
+    await writer.flush()
+    grants, known = Checkpoint(str(tmp_path), boot_id="boot-1").load()
+    assert known and [g.container_id for g in grants] == [named_ctr.id]
+
+
 async def test_a_checkpoint_that_cannot_be_written_is_an_error_not_a_crash(tmp_path: Path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
