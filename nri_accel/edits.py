@@ -173,6 +173,16 @@ LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
 # LD_LIBRARY_PATH could not reach the container's process anyway, and extending one
 # costs time in proportion to its length, so it is refused before any work.
 MAX_ENV_STRING = 32 * 4096
+ENV_PREFIXES = tuple(f"{name}=" for name in sorted({
+    LD_LIBRARY_PATH,
+    *(p.visibility[0] for p in PROFILES if p.visibility is not None),
+    *(name for p in PROFILES for name in p.env_defaults),
+}))
+"""The container's own values build() acts on: LD_LIBRARY_PATH (extended), each family's
+visibility variable (rewritten or removed) and defaults (set only where the container
+does not set them). Of the other variables the edits set, the container's own value only
+saves writing an equal one again (nri_accel.nri.convert may leave those out of a large
+env)."""
 
 
 class UnsafeEdit(ValueError):
@@ -480,6 +490,10 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
             parts.extend(fe.parts)
             for k, v in fe.env:
                 env.setdefault(k, v)
+            undeclared = {k for k, _ in fe.defaults} - profile.env_defaults
+            if undeclared:  # a family's bug: build() might not see the container's value
+                raise ValueError(f"family {profile.name} sets defaults it does not declare "
+                                 f"in env_defaults: {', '.join(sorted(undeclared))}")
             defaults.update(fe.defaults)
             lib_dirs.update(dict.fromkeys(fe.lib_dirs))
             notes.extend(fe.notes)

@@ -41,12 +41,14 @@ from types import MappingProxyType
 
 from nri_accel.config import Config
 from nri_accel.container import ContainerInfo
+from nri_accel.edits import ENV_PREFIXES as EDITS_ENV_PREFIXES
 from nri_accel.edits import Catalog, compile_catalog
 from nri_accel.edits import build as build_edits
 from nri_accel.inventory import KIND_RE, ContainerEdits, Device, Inventory
 from nri_accel.log import get_logger
 from nri_accel.policy import Policy, own_annotations
 from nri_accel.request import ANNOTATION_GRANTED, ANNOTATION_SHARED
+from nri_accel.request import ENV_PREFIXES as REQUEST_ENV_PREFIXES
 from nri_accel.select import DeviceIndex, select
 from nri_accel.state import Grant, Holdings
 from nri_accel.vendors import parent_of
@@ -54,6 +56,10 @@ from nri_accel.vendors import parent_of
 log = get_logger(__name__)
 
 _MAX_RESTORED_KEYS = 1024  # more keys than any node has devices: a corrupt annotation
+ENV_SCOPE = tuple(sorted({*REQUEST_ENV_PREFIXES, *EDITS_ENV_PREFIXES}))
+"""Every env entry plan() looks at starts with one of these: a ContainerInfo whose env
+holds only those entries gets the same Plan, but for equal values written again
+(nri_accel.nri.convert keeps only them of a large env)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +160,12 @@ class Engine:
             facts=built.facts,
             granted_by=selection.granted_by,
         )
+
+    def holds(self, container_id: str, pod: str, container_name: str) -> bool:
+        """Whether a create of this container (`pod`: its pod's uid, else sandbox id)
+        would replace a recorded grant, which plan() and commit() then release."""
+        with self._lock:
+            return self.holdings.holds(container_id, pod, container_name)
 
     def commit(self, plan: Plan) -> None:
         """Record `plan`'s grant (replacing its container's earlier one, and that of an

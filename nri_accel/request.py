@@ -81,6 +81,14 @@ _READ_ENV_PREFIXES = tuple(x for p in PROFILES for x in p.env_prefixes)
 # Entries of the env that some family reads.
 _READ_ENTRY_PREFIXES = (*(f"{n}=" for n in sorted(_READ_ENV)), *_READ_ENV_PREFIXES)
 _IS_READ_ENTRY = methodcaller("startswith", _READ_ENTRY_PREFIXES)
+ENV_PREFIXES = _READ_ENTRY_PREFIXES
+"""Every env entry parse() reads starts with one of these ("NAME=", or a family's name
+prefix such as "NVIDIA_REQUIRE_")."""
+ANNOTATION_PREFIXES = tuple(sorted({DEVICES_KEY, *_OPTION_KEYS, *INJECTOR_CDI_KEYS,
+                                    *CDI_PREFIXES, *RESERVED_KEYS}))
+"""Every annotation key parse() reads or refuses, on the pod or the container, starts
+with one of these. A container whose annotations and env (ENV_PREFIXES) have none asks
+for nothing: parse() would return an empty Parsed (nri_accel.plugin answers it at once)."""
 # All the env entries nri-accel reads together (an image may define any number of
 # NVIDIA_REQUIRE_* variables): bounds the parse time and what the memo keeps per env.
 MAX_ENV_READ_CHARS = 4 * MAX_VALUE_BYTES

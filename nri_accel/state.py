@@ -183,6 +183,13 @@ class Holdings:
                 out.add(earlier)
         return frozenset(out)
 
+    def holds(self, container_id: str, pod: str = "", container_name: str = "") -> bool:
+        """Whether a grant is recorded that a create of this container would replace
+        (see replaced(): its own, or that of an earlier container of the same pod and
+        name)."""
+        return container_id in self._grants or (
+            bool(pod and container_name) and (pod, container_name) in self._by_name)
+
     def busy(self, grant: Grant) -> dict[str, str]:
         """Keys held exclusively by containers other than those `grant` replaces, and
         the wholes and parts of those keys, each with who holds it (for messages)."""

@@ -6,6 +6,14 @@ that nothing outside nri_accel.nri reads a protobuf field. Imports nri_accel.con
 and this package's nri_pb2; pure functions, no trust decision (the policy decides which
 annotations are a container's own).
 
+Large envs: an image or pod may define any number of variables (tens of thousands, a
+MiB), and walking them entry by entry from Python costs some 100-200 ns each, the most
+of a request's time. Of a large env (over LARGE_ENV entries) container_info() therefore
+keeps only the entries its caller says it reads (`env_scope`), and finds them with
+env_entries(): the container's serialised bytes (protobuf's C code) are searched first
+for the leading characters of each prefix, so an env where no prefix occurs costs a few
+byte searches, and only the prefixes that do occur are tested entry by entry.
+
 Names: containerd names a container from its CRI metadata; CRI-O names it from the
 `io.kubernetes.container.name` label, so a container created without kubelet's labels
 has no name in NRI (captured from CRI-O 1.36.3). Its CRI metadata name is then read
@@ -17,6 +25,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from functools import lru_cache
+from operator import methodcaller
 from types import MappingProxyType
 
 from nri_accel.container import ContainerInfo
@@ -24,10 +34,17 @@ from nri_accel.nri import nri_pb2 as pb
 
 CRIO_METADATA = "io.kubernetes.cri-o.Metadata"
 _MAX_METADATA_CHARS = 4096
+LARGE_ENV = 1024
+"""Entries from which an env is large (see the module docstring)."""
+_NEEDLE = 8  # characters of a prefix searched for in the serialised container
 
 
-def container_info(pod: pb.PodSandbox, container: pb.Container) -> ContainerInfo:
-    """What the request pipeline needs to know about a container being created."""
+def container_info(pod: pb.PodSandbox, container: pb.Container,
+                   env_scope: tuple[str, ...] | None = None) -> ContainerInfo:
+    """What the request pipeline needs to know about a container being created. With
+    `env_scope`, of a large env only the entries starting with one of those prefixes
+    are kept (all that the caller reads of it)."""
+    env = container.env
     return ContainerInfo(
         namespace=pod.namespace,
         pod_name=pod.name,
@@ -36,11 +53,52 @@ def container_info(pod: pb.PodSandbox, container: pb.Container) -> ContainerInfo
         container_id=container.id,
         pod_annotations=MappingProxyType(dict(pod.annotations)),
         container_annotations=MappingProxyType(dict(container.annotations)),
-        env=tuple(container.env),
+        env=(tuple(env) if env_scope is None or len(env) <= LARGE_ENV
+             else env_entries(container, env_scope)),
         device_paths=frozenset(d.path for d in container.linux.devices),
         mount_destinations=frozenset(m.destination for m in container.mounts),
         pod_id=pod.id,
     )
+
+
+def mentions(pod: pb.PodSandbox, container: pb.Container, key_prefixes: tuple[str, ...],
+             env_prefixes: tuple[str, ...]) -> bool:
+    """Whether the pod's or the container's annotations have a key starting with one of
+    `key_prefixes`, or the container's env an entry starting with one of `env_prefixes`:
+    read straight from the messages, converting nothing (the tests run in C)."""
+    keys = methodcaller("startswith", key_prefixes)
+    return (any(map(keys, pod.annotations)) or any(map(keys, container.annotations))
+            or bool(env_entries(container, env_prefixes, first=True)))
+
+
+def env_entries(container: pb.Container, prefixes: tuple[str, ...], *,
+                first: bool = False) -> tuple[str, ...]:
+    """The container's env entries that start with one of `prefixes`, in order (with
+    `first`, at most the first of them). A large env is searched as bytes first (see
+    the module docstring)."""
+    env = container.env
+    if len(env) > LARGE_ENV:
+        raw = container.SerializeToString()
+        prefixes = tuple(p for needle, group in _needles(prefixes) if needle in raw
+                         for p in group)
+        if not prefixes:
+            return ()
+    matching = filter(methodcaller("startswith", prefixes), env)
+    if first:
+        found = next(matching, None)
+        return () if found is None else (found,)
+    return tuple(matching)
+
+
+@lru_cache(maxsize=64)
+def _needles(prefixes: tuple[str, ...]) -> tuple[tuple[bytes, tuple[str, ...]], ...]:
+    """The leading characters of each prefix, UTF-8 encoded, with the prefixes that
+    start with them: an entry starting with a prefix holds its needle, and the fewer,
+    shorter needles are searched in fewer passes."""
+    groups: dict[bytes, list[str]] = {}
+    for p in prefixes:
+        groups.setdefault(p[:_NEEDLE].encode(), []).append(p)
+    return tuple((needle, tuple(group)) for needle, group in groups.items())
 
 
 def container_name(container: pb.Container) -> str:

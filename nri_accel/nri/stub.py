@@ -608,7 +608,7 @@ def _call(fn: Callable[..., Any], what: str, args: tuple[Any, ...],
     it is async. Its exception becomes a TtrpcError with its message."""
     try:
         value = fn(*args)
-        if inspect.isawaitable(value):
+        if value is not None and inspect.isawaitable(value):  # None: most answers
             return _finish(value, what, then)
     except TtrpcError:
         raise

@@ -69,6 +69,9 @@ edits (pure, over the checked catalog)
   tables(inventory) -> anything
       What the family computes once per inventory for edits() (Neuron: each device's
       first NeuronCore in the node-wide numbering), handed back as files.table(name).
+  env_defaults
+      The variables edits() may set as defaults (FamilyEdits.defaults: only where the
+      container does not set them); the Engine reads the container's values of these.
   visibility = (variable, value granting nothing, or None to unset it)
       The variable a co-installed vendor hook would read (NVIDIA_VISIBLE_DEVICES, "void";
       the legacy NVIDIA rule grants every GPU when it is unset, so it is set, never
@@ -237,6 +240,7 @@ class Profile:
     id_pattern: ClassVar[re.Pattern[str] | None] = None
     members: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
     visibility: ClassVar[tuple[str, str | None] | None] = None
+    env_defaults: ClassVar[frozenset[str]] = frozenset()  # FamilyEdits.defaults' names
 
     # ---- discovery ------------------------------------------------------------------
 

@@ -111,6 +111,7 @@ class NeuronProfile(Profile):
     name = VENDOR
     kinds = (KIND, KIND_CORE)  # the whole first (nri_accel.vendors.parent_of)
     env_names = frozenset({ENV_VISIBLE})
+    env_defaults = frozenset({ENV_CORES})
     visibility = (ENV_VISIBLE, None)
 
     def discover(self, root: HostRoot, config: Config) -> Found:

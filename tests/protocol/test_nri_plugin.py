@@ -60,6 +60,9 @@ class FakeEngine:
             raise ZeroDivisionError("division by zero")
         return FakePlan()
 
+    def holds(self, container_id: str, pod: str, container_name: str) -> bool:
+        return False
+
     def commit(self, plan: Any) -> None:
         self.committed.append(plan)
 
@@ -75,6 +78,9 @@ class FakeEngine:
 
 
 POD = make_pod({"name": "pod0", "namespace": "ml"})
+ASKS = {"devices.nri-accel.io": "nvidia.com/gpu=0"}
+"""A container annotation that makes a container ask (one that asks nothing never
+reaches the Engine)."""
 
 
 pytestmark = pytest.mark.usefixtures("all_logs")  # tests/conftest.py
@@ -82,7 +88,7 @@ pytestmark = pytest.mark.usefixtures("all_logs")  # tests/conftest.py
 
 def test_create_container_plans_builds_and_logs_one_canonical_line() -> None:
     engine = FakeEngine()
-    ctr = make_container(POD, {"name": "main", "env": ["A=1"]})
+    ctr = make_container(POD, {"name": "main", "env": ["A=1"], "annotations": ASKS})
     with capture_logs() as logs:
         adj = AccelPlugin(engine).create_container(POD, ctr)  # type: ignore[arg-type]
     assert [d.path for d in adj.linux.devices] == ["/dev/nvidia0"]
@@ -102,7 +108,7 @@ def test_create_container_plans_builds_and_logs_one_canonical_line() -> None:
 def test_a_refusal_is_logged_once_and_raised_as_it_is() -> None:
     with capture_logs() as logs, pytest.raises(PolicyError) as info:
         AccelPlugin(FakeEngine()).create_container(  # type: ignore[arg-type]
-            POD, make_container(POD, {"name": "denied"}))
+            POD, make_container(POD, {"name": "denied", "annotations": ASKS}))
     assert str(info.value).startswith("env NVIDIA_VISIBLE_DEVICES: ")
     (line,) = logs
     assert (line["event"], line["source"]) == ("container_refused", "env NVIDIA_VISIBLE_DEVICES")
@@ -112,7 +118,7 @@ def test_a_refusal_is_logged_once_and_raised_as_it_is() -> None:
 def test_a_bug_fails_the_container_with_a_readable_reason() -> None:
     with capture_logs() as logs, pytest.raises(NriAccelError, match="internal error: division"):
         AccelPlugin(FakeEngine()).create_container(  # type: ignore[arg-type]
-            POD, make_container(POD, {"name": "buggy"}))
+            POD, make_container(POD, {"name": "buggy", "annotations": ASKS}))
     (line,) = logs
     assert line["event"] == "container_refused"
     assert isinstance(line["exc_info"], ZeroDivisionError)  # the traceback is kept

@@ -1,0 +1,147 @@
+"""AccelPlugin's answer to a container that asks for nothing, over the real Engine.
+
+A container none of whose annotation keys or env entries the request parser reads is
+answered at once, empty, and logged at debug only (the fast path of
+AccelPlugin.create_container). Everything that does read as a request still takes the
+full path: a visibility variable in the env (rewritten to "void" where env may not
+grant), the annotations nri-accel refuses, and a container whose creation replaces a
+grant. Large envs (over convert.LARGE_ENV entries, searched as bytes first) behave as
+small ones. The inventory is the built-in demo node (8 A100s, tests/demo_node.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from demo_node import demo_inventory
+from structlog.testing import capture_logs
+
+from nri_accel.config import Config, PolicyConfig
+from nri_accel.engine import Engine
+from nri_accel.errors import PolicyError, RequestError
+from nri_accel.nri import convert
+from nri_accel.nri.simulator import make_container, make_pod
+from nri_accel.nri.stub import _created
+from nri_accel.plugin import AccelPlugin
+
+pytestmark = pytest.mark.usefixtures("all_logs")  # tests/conftest.py: debug lines too
+
+UNRELATED_POD = {"kubernetes.io/config.seen": "2024-05-01T10:00:00Z",
+                 "prometheus.io/scrape": "true", "mounts.noderesource.dev/container.c0": "x"}
+UNRELATED_ENV = ["PATH=/bin", "HOSTNAME=vm", "NVIDIA=1", "NVIDIA_VISIBLE_DEVICES",
+                 "MY_NVIDIA_VISIBLE_DEVICES=all", "LD_LIBRARY_PATH=/opt/lib"]
+BIG = convert.LARGE_ENV + 100  # entries: the large-env path
+
+
+def plugin(*trusted: str) -> AccelPlugin:
+    config = Config(policy=PolicyConfig("kubernetes", frozenset(trusted)))
+    return AccelPlugin(Engine(demo_inventory(), config))
+
+
+def create(accel: AccelPlugin, *, namespace: str = "sandbox", name: str = "main",
+           pod_annotations: dict[str, str] | None = None,
+           annotations: dict[str, str] | None = None,
+           env: list[str] | None = None, cid: str = "") -> tuple[Any, list[dict[str, Any]]]:
+    pod = make_pod({"name": "p", "namespace": namespace,
+                    "annotations": pod_annotations or UNRELATED_POD})
+    ctr = make_container(pod, {"name": name, "env": env if env is not None else UNRELATED_ENV,
+                               "annotations": annotations or {}, "id": cid})
+    with capture_logs() as logs:
+        result = accel.create_container(pod, ctr)
+    return result, logs
+
+
+def infos(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in logs if e["log_level"] != "debug"]
+
+
+@pytest.mark.parametrize("env", [UNRELATED_ENV, [f"V{i}=x" for i in range(BIG)]],
+                         ids=["small env", "large env"])
+def test_a_container_with_only_unrelated_env_and_annotations_gets_an_empty_answer(
+    env: list[str],
+) -> None:
+    accel = plugin()
+    result, logs = create(accel, env=env,
+                          annotations={"io.kubernetes.cri.container-name": "main"})
+    assert result is None and _created(result) == b""
+    assert infos(logs) == []
+    (line,) = logs
+    assert (line["event"], line["devices"]) == ("container_created", [])
+    counts, _, _ = accel.requests["create_container"].snapshot()
+    assert counts["ok"] == 1
+
+
+@pytest.mark.parametrize("env", [
+    ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=all"],
+    [f"V{i}=x" for i in range(BIG)] + ["NVIDIA_VISIBLE_DEVICES=all"],
+], ids=["small env", "large env"])
+def test_nvidia_visible_devices_all_in_an_untrusted_namespace_is_still_rewritten_to_void(
+    env: list[str],
+) -> None:
+    result, logs = create(plugin(), env=env)
+    assert [(kv.key, kv.value) for kv in result.env] == [("NVIDIA_VISIBLE_DEVICES", "void")]
+    assert not result.linux.devices
+    (line,) = infos(logs)
+    assert line["event"] == "container_created" and line["devices"] == []
+    assert "env NVIDIA_VISIBLE_DEVICES=all not granted" in line["notes"][0]
+
+
+def test_a_cuda_image_in_a_trusted_namespace_gets_its_gpus() -> None:
+    result, _ = create(plugin("ml"), namespace="ml", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert "/dev/nvidia0" in [d.path for d in result.linux.devices]
+
+
+@pytest.mark.parametrize("pod_annotations, annotations, error, source", [
+    ({"nri-accel.io/granted": "nvidia.com/gpu=0"}, {}, RequestError,
+     "annotation nri-accel.io/granted"),
+    ({}, {"nri-accel.io/shared": "nvidia.com/gpu=0"}, RequestError,
+     "container annotation nri-accel.io/shared"),
+    ({"devices.nri-accel.io/pods": "nvidia.com/gpu=0"}, {}, RequestError,
+     "annotation devices.nri-accel.io/pods"),
+    ({"devices.nri-accel.io/pod": "nvidia.com/gpu=0"}, {}, PolicyError,
+     "annotation devices.nri-accel.io/pod"),
+], ids=["reserved on the pod", "reserved on the container", "misspelt key",
+        "pod annotation in an untrusted namespace"])
+def test_annotations_the_parser_refuses_are_still_refused(
+    pod_annotations: dict[str, str], annotations: dict[str, str], error: type[Exception],
+    source: str,
+) -> None:
+    with pytest.raises(error) as raised:
+        create(plugin(), pod_annotations={**UNRELATED_POD, **pod_annotations},
+               annotations=annotations)
+    assert raised.value.source == source  # type: ignore[attr-defined]
+
+
+def test_a_new_create_of_the_same_pod_and_name_asking_nothing_still_ends_the_old_grant() -> None:
+    accel = plugin()
+    granted, _ = create(accel, annotations={"devices.nri-accel.io": "nvidia.com/gpu=0"},
+                        cid="first")
+    assert granted.linux.devices
+    assert accel.engine.holdings.get("first") is not None
+    again, logs = create(accel, cid="second")  # kubelet's retry, now asking nothing
+    assert not again.linux.devices and not again.annotations
+    assert accel.engine.holdings.get("first") is None
+    assert [e["event"] for e in infos(logs)] == ["grant_replaced", "container_created"]
+
+
+def test_a_large_env_keeps_the_container_ld_library_path_when_it_is_extended() -> None:
+    env = [*(f"V{i}=x" for i in range(BIG)), "LD_LIBRARY_PATH=/opt/own"]
+    result, _ = create(plugin(), env=env,
+                       annotations={"devices.nri-accel.io": "nvidia.com/gpu=0"})
+    (ld,) = [kv.value for kv in result.env if kv.key == "LD_LIBRARY_PATH"]
+    assert ld.startswith("/opt/own:")
+
+
+@pytest.mark.parametrize("size", [0, 3, convert.LARGE_ENV, convert.LARGE_ENV + 1, 5000])
+def test_env_entries_are_the_entries_starting_with_a_prefix_in_order(size: int) -> None:
+    prefixes = ("NVIDIA_VISIBLE_DEVICES=", "NVIDIA_REQUIRE_", "LD_LIBRARY_PATH=", "Ü=")
+    env = [f"V{i}=NVIDIA_VISIBLE_DEVICES=x" for i in range(size)]
+    for i, entry in enumerate(("NVIDIA_REQUIRE_CUDA=cuda>=12", "LD_LIBRARY_PATH=/a",
+                               "Ü=1", "NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE")):
+        env.insert(i * size // 5, entry)
+    ctr = make_container(make_pod({"name": "p"}), {"name": "c", "env": env})
+    expected = tuple(e for e in env if e.startswith(prefixes))
+    assert convert.env_entries(ctr, prefixes) == expected
+    assert convert.env_entries(ctr, prefixes, first=True) == expected[:1]
+    assert convert.env_entries(ctr, ("NOT_THERE=",)) == ()
