@@ -3,10 +3,11 @@
 Owns: Origin, Source, Parsed, parse() and the syntax of every annotation nri-accel reads
 (the user-facing reference is README.md, "Requesting devices"). The env grammars are the
 vendor profiles' (nri_accel.vendors): parse() hands each family the variables it reads.
-Imports the standard library, PyYAML (the NRI device-injector's YAML list annotation),
-nri_accel.container, nri_accel.errors, nri_accel.syntax and nri_accel.vendors. Pure: no
-I/O, no logging, same input -> same Parsed. Who may grant what is decided by
-nri_accel.policy from what this returns.
+Imports the standard library, PyYAML (the NRI device-injector's YAML list annotation:
+only when a pod carries one, so `run` starts without it), nri_accel.container,
+nri_accel.errors, nri_accel.syntax and nri_accel.vendors. Pure: no I/O, no logging, same
+input -> same Parsed. Who may grant what is decided by nri_accel.policy from what this
+returns.
 
 Sources, in the order returned:
 
@@ -44,8 +45,6 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from operator import methodcaller
-
-import yaml
 
 from nri_accel.container import ContainerInfo
 from nri_accel.errors import RequestError
@@ -363,6 +362,8 @@ def _parse_injector_cdi(value: str, source: str) -> tuple[DeviceClaim, ...]:
     check_text(value, source, newlines=True)
     if not value.strip():
         return ()
+    import yaml  # here: most nodes never see this annotation, and yaml costs start-up time
+
     try:
         names = yaml.safe_load(value)
     except yaml.YAMLError as e:

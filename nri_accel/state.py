@@ -48,9 +48,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -347,7 +347,7 @@ class Checkpoint:
     def save(self, text: str) -> None:
         """Write `text` (Holdings.to_json) atomically. Raises OSError."""
         os.makedirs(self.state_dir, mode=0o755, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".grants-", dir=self.state_dir)
+        fd, tmp = _new_file(self.state_dir, ".grants-")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
@@ -363,6 +363,20 @@ class Checkpoint:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _new_file(directory: str, prefix: str) -> tuple[int, str]:
+    """A new file (mode 0600) in `directory` to be renamed over the one it replaces, as
+    tempfile.mkstemp makes one; without tempfile, whose import (random, shutil) `run`
+    would pay for before it registers (it writes the checkpoint first)."""
+    for n in itertools.count():
+        path = os.path.join(directory, f"{prefix}{os.getpid()}-{n}")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                           0o600), path
+        except FileExistsError:  # left by an earlier process of the same pid
+            continue
+    raise AssertionError("unreachable")
 
 
 def boottime() -> float:
@@ -408,7 +422,7 @@ class NriStatus:
         os.makedirs(state_dir, mode=0o755, exist_ok=True)
         data = {"registered": self.registered, "runtime": self.runtime,
                 "plugin": self.plugin, "pid": self.pid, "heartbeat": self.heartbeat}
-        fd, tmp = tempfile.mkstemp(prefix=".nri-", dir=state_dir)
+        fd, tmp = _new_file(state_dir, ".nri-")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(data, f)

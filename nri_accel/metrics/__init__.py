@@ -16,7 +16,6 @@ RequestRecorders always: a record() costs well under a microsecond
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import socket
 import threading
@@ -166,6 +165,8 @@ def parse_address(text: str, *, source: str) -> Address:
                           f"(127.0.0.1 for this node only, 0.0.0.0 for every interface)",
                           source=source)
     try:
+        import ipaddress  # here: `run` without metrics never needs it
+
         ip = ipaddress.ip_address(host)
     except ValueError:
         raise ConfigError(f"{host!r} is not an IP address (host names are not resolved; "

@@ -38,8 +38,6 @@ import functools
 import json
 from collections.abc import Iterable, Mapping
 
-from google.protobuf import json_format
-
 from nri_accel.inventory import (
     ContainerEdits,
     DeviceNode,
@@ -146,6 +144,8 @@ def _mount_order(m: Mount) -> tuple[int, str]:
 
 def to_dict(message: object) -> dict[str, object]:
     """The protobuf JSON mapping (protojson field names, int64 as strings, defaults omitted)."""
+    from google.protobuf import json_format  # here: only explain and the demo render JSON
+
     return json_format.MessageToDict(message)  # type: ignore[arg-type]
 
 
