@@ -86,6 +86,11 @@ class AccelPlugin:
                         reason="nri-accel reads its settings from --config "
                                f"(default {DEFAULT_CONFIG_PATH}), not from the runtime")
 
+    def keep_synchronized(self, pods: Any, containers: Any) -> tuple[list[Any], list[Any]]:
+        """What the stub keeps of each part of a Synchronize until the last: what
+        synchronize() reads (tens of thousands of containers: not their messages)."""
+        return convert.synced(pods, containers, RESERVED_KEYS)
+
     def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
         with self._timed("synchronize"):
             self.engine.restore(convert.live_containers(containers, pods, RESERVED_KEYS))

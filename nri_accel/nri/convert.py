@@ -1,8 +1,10 @@
 """NRI protobuf pods and containers -> the plain data the pipeline works on.
 
-Owns: PodSandbox + Container -> nri_accel.container.ContainerInfo (container_info), and
-the lean ContainerInfo of each live container of a Synchronize (live_containers), so
-that nothing outside nri_accel.nri reads a protobuf field. Imports nri_accel.container
+Owns: PodSandbox + Container -> nri_accel.container.ContainerInfo (container_info), the
+little of each pod and container of a Synchronize that is kept while its parts arrive
+(synced: SyncedPod, SyncedContainer), and the lean ContainerInfo of each live container
+of a Synchronize (live_containers), so that nothing outside nri_accel.nri reads a
+protobuf field. Imports nri_accel.container
 and this package's nri_pb2; pure functions, no trust decision (the policy decides which
 annotations are a container's own).
 
@@ -24,10 +26,13 @@ which CRI-O writes for every container.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from operator import methodcaller
 from types import MappingProxyType
+from typing import Any
 
 from nri_accel.container import ContainerInfo
 from nri_accel.nri import nri_pb2 as pb
@@ -115,13 +120,60 @@ def container_name(container: pb.Container) -> str:
     return name if isinstance(name, str) else ""
 
 
-def live_containers(containers: Iterable[pb.Container], pods: Iterable[pb.PodSandbox],
+@dataclass(frozen=True, slots=True)
+class SyncedPod:
+    """What live_containers() reads of a synchronised pod (pb.PodSandbox's fields of the
+    same names, its annotations only those asked for)."""
+
+    id: str
+    namespace: str
+    name: str
+    uid: str
+    annotations: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class SyncedContainer:
+    """What live_containers() reads of a synchronised container (pb.Container's fields
+    of the same names; `name` as container_name() finds it, its annotations only those
+    asked for)."""
+
+    id: str
+    pod_sandbox_id: str
+    name: str
+    state: int
+    annotations: Mapping[str, str]
+
+
+_NO_ANNOTATIONS: Mapping[str, str] = MappingProxyType({})
+
+
+def synced(pods: Iterable[pb.PodSandbox], containers: Iterable[pb.Container],
+           keys: Iterable[str]) -> tuple[list[SyncedPod], list[SyncedContainer]]:
+    """The pods and containers of (a part of) a Synchronize, each as the little
+    live_containers() reads of it, with of their annotations only `keys`. A runtime
+    sends tens of thousands of containers over several requests: the protobuf messages
+    (some 3 KB each, with their env, mounts and resources) are not kept meanwhile."""
+    keys = tuple(keys)
+    intern = sys.intern  # a pod's id and namespace recur in each of its containers
+
+    def kept(annotations: Any) -> Mapping[str, str]:
+        return {k: annotations[k] for k in keys if k in annotations} or _NO_ANNOTATIONS
+
+    return ([SyncedPod(intern(p.id), intern(p.namespace), p.name, p.uid,
+                       kept(p.annotations)) for p in pods],
+            [SyncedContainer(c.id, intern(c.pod_sandbox_id), container_name(c), c.state,
+                             kept(c.annotations)) for c in containers])
+
+
+def live_containers(containers: Iterable[pb.Container | SyncedContainer],
+                    pods: Iterable[pb.PodSandbox | SyncedPod],
                     keys: Iterable[str]) -> Iterator[ContainerInfo]:
     """Every synchronised container that has not stopped, as a ContainerInfo carrying of
     the container's and of its pod's annotations only `keys` (a Synchronize can list
     tens of thousands of containers: nothing else is kept)."""
     keys = tuple(keys)
-    by_id = {p.id: p for p in pods}
+    by_id: dict[str, Any] = {p.id: p for p in pods}
     empty = pb.PodSandbox()
     for c in containers:
         if c.state == pb.CONTAINER_STOPPED:

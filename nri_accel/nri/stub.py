@@ -15,6 +15,7 @@ iteration, which is the fastest way through):
 
     configure(config, runtime_name, runtime_version) -> int | None   (event mask)
     synchronize(pods, containers) -> list[ContainerUpdate] | None
+    keep_synchronized(pods, containers) -> (pods, containers)   (plain)
     shutdown() -> None
     run_pod_sandbox(pod), stop_pod_sandbox(pod), remove_pod_sandbox(pod),
     post_update_pod_sandbox(pod), update_pod_sandbox(pod, overhead, resources)
@@ -26,6 +27,12 @@ iteration, which is the fastest way through):
     post_update_container, remove_container (pod, container) -> None
     validate_container_adjustment(request) -> None   (raise to reject)
     state_change(event, pod, container) -> None
+
+A Synchronize may come in several parts (a runtime splits one over the 4 MiB message
+limit); the stub gathers them and calls synchronize() once, with every pod and container.
+keep_synchronized(), where defined, is called on each part as it arrives, and what it
+returns is what the stub keeps and hands to synchronize() in place of the messages: a
+plugin that needs little of tens of thousands of containers keeps just that.
 
 Arguments and results are nri_pb2 messages (build them with nri.adjust and read
 them with nri.convert). The event mask sent in ConfigureResponse has a bit for each
@@ -437,10 +444,15 @@ class Stub:
         handler = self._handlers.get("synchronize")
         if handler is None:
             return pb.SynchronizeResponse(more=req.more).SerializeToString()
-        self._sync_pods.extend(req.pods)
-        self._sync_containers.extend(req.containers)
-        if req.more:
-            log.debug("sync_chunk", pods=len(req.pods), containers=len(req.containers))
+        more = req.more
+        keep = self._handlers.get("keep_synchronized")
+        pods, containers = (req.pods, req.containers) if keep is None else keep(
+            req.pods, req.containers)
+        del req  # with a keep_synchronized, nothing of the message outlives this part
+        self._sync_pods.extend(pods)
+        self._sync_containers.extend(containers)
+        if more:
+            log.debug("sync_chunk", pods=len(pods), containers=len(containers))
             return pb.SynchronizeResponse(more=True).SerializeToString()
         pods, containers = self._sync_pods, self._sync_containers
         self._sync_pods, self._sync_containers = [], []
@@ -574,7 +586,7 @@ def _handler_name(event: int) -> str:
 
 def _find_handlers(plugin: object) -> dict[str, Callable[..., Any]]:
     names = [n for n, _ in _EVENT_HANDLERS] + [
-        "configure", "synchronize", "shutdown", "state_change"]
+        "configure", "synchronize", "keep_synchronized", "shutdown", "state_change"]
     found = {}
     for name in names:
         fn = getattr(plugin, name, None)

@@ -357,6 +357,32 @@ async def test_split_synchronisation_is_collected_and_delivered_once(sock_path: 
     assert plugin.synced[-1] == (1, 1500)
 
 
+async def test_a_split_synchronisation_hands_over_what_keep_synchronized_kept_of_each_part(
+    sock_path: str,
+) -> None:
+    class Keeper(Injector):
+        """Keeps only the ids of each part, and counts the parts."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = 0
+            self.got: tuple[list[Any], list[Any]] = ([], [])
+
+        def keep_synchronized(self, pods: Any, containers: Any) -> tuple[list[Any], list[Any]]:
+            self.parts += 1
+            return [p.id for p in pods], [c.id for c in containers]
+
+        def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
+            self.got = (pods, containers)
+
+    plugin = Keeper()
+    async with serving(plugin, sock_path) as (sim, _):
+        _big_state(sim, 1500)
+        await sim.wait_for_plugin()
+    assert sim.sync_splits >= 1 and plugin.parts > 1
+    assert plugin.got == (list(sim.pods), list(sim.containers))
+
+
 async def test_a_plugin_without_synchronize_still_passes_split_synchronisation(
     sock_path: str,
 ) -> None:
