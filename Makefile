@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: all setup demo test test-fast e2e bench proto lint clean
+.PHONY: all setup demo test test-fast e2e bench soak proto lint clean
 
 all: test
 
@@ -41,6 +41,11 @@ e2e: $(STAMP)
 bench: $(STAMP)
 	@set -e; for b in tests/bench/bench_*.py; do \
 	  echo "== $$b"; $(BIN)/python $$b; done
+
+## soak: 100,000 CreateContainer/RemoveContainer through the real daemon; prints RSS,
+## fds, asyncio tasks and latency every 10,000 (a few minutes)
+soak: $(STAMP)
+	$(BIN)/python tests/soak/soak.py
 
 ## proto: regenerate the committed protobuf/gRPC code from api/*.proto
 proto: $(STAMP)

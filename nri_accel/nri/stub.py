@@ -261,10 +261,19 @@ class Stub:
         return int(value)
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT stop run() cleanly (it then returns 0)."""
+        """SIGTERM and SIGINT stop run() cleanly (it then returns 0); SIGUSR1 logs the
+        process's state (log_state)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop, sig)
+        loop.add_signal_handler(signal.SIGUSR1, self.log_state)
+
+    def log_state(self) -> None:
+        """Log one `stub_state` line: the asyncio tasks of the process (a task leak
+        shows here: tests/soak samples it from outside with SIGUSR1), whether it is
+        registered, and the registrations so far."""
+        log.info("stub_state", tasks=len(asyncio.all_tasks()),
+                 registered=self.registered.is_set(), registrations=self.registrations)
 
     def stop(self, sig: int | None = None) -> None:
         """Make run() return 0 at once, whatever the connection is doing.
