@@ -143,8 +143,7 @@ class Engine:
                                cdi_passthrough=self._config.devices.cdi_passthrough,
                                shared_kinds=self._shared_kinds)
             exclusive = selection.exclusive
-            grant = replace(draft, exclusive=exclusive, shared=frozenset(
-                d.key for d in (*selection.devices, *selection.passthrough)) - exclusive)
+            grant = replace(draft, exclusive=exclusive, shared=selection.held - exclusive)
             self.holdings.check(grant)
         built = build_edits(selection, request, tables.catalog, container_env=info.env,
                             device_paths=info.device_paths,

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from nri_accel.container import ContainerInfo
 from nri_accel.errors import PolicyError
-from nri_accel.request import Origin, Parsed, Source, parse
+from nri_accel.request import Origin, Parsed, Source, parse, read_by_parse
 from nri_accel.syntax import DeviceClaim, claim_order
 
 if TYPE_CHECKING:
@@ -125,8 +125,21 @@ class Policy:
     def request_for(self, info: ContainerInfo) -> Request:
         """The Request of one container: its annotations and env parsed
         (nri_accel.request.parse) and this policy applied. Raises RequestError (a
-        malformed value) or PolicyError (a refused one), naming the source."""
-        return self.apply(parse(info), info.namespace)
+        malformed value) or PolicyError (a refused one), naming the source.
+
+        Remembered by what parse() reads of the container and its namespace (the
+        replicas and restarts of a workload ask alike): a third of a CreateContainer's
+        time when it grants (bench_hotpath.py). Refusals are not remembered."""
+        key = (self, info.namespace, *read_by_parse(info))
+        try:
+            return _REQUESTS[key]
+        except KeyError:
+            pass
+        request = self.apply(parse(info), info.namespace)
+        if len(_REQUESTS) >= REQUEST_MEMO_SIZE:
+            _REQUESTS.clear()
+        _REQUESTS[key] = request
+        return request
 
     def apply(self, parsed: Parsed, namespace: str) -> Request:
         """The Request one container's parsed sources amount to in `namespace`. Raises
@@ -190,6 +203,10 @@ class Policy:
 
 
 _RANK = {Origin.CONTAINER: 0, Origin.POD: 1, Origin.ENV: 2}
+REQUEST_MEMO_SIZE = 512
+"""Requests remembered before the memo starts over. Its keys hold only the annotations
+and env entries parse() reads, each value and all of them together size-limited."""
+_REQUESTS: dict[tuple[Hashable, ...], Request] = {}
 
 
 def _demoted(src: Source) -> Source:

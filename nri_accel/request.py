@@ -88,6 +88,7 @@ ANNOTATION_PREFIXES = tuple(sorted({DEVICES_KEY, *_OPTION_KEYS, *INJECTOR_CDI_KE
 """Every annotation key parse() reads or refuses, on the pod or the container, starts
 with one of these. A container whose annotations and env (ENV_PREFIXES) have none asks
 for nothing: parse() would return an empty Parsed (nri_accel.plugin answers it at once)."""
+_IS_PARSED_KEY = methodcaller("startswith", ANNOTATION_PREFIXES)
 # All the env entries nri-accel reads together (an image may define any number of
 # NVIDIA_REQUIRE_* variables): bounds the parse time and what the memo keeps per env.
 MAX_ENV_READ_CHARS = 4 * MAX_VALUE_BYTES
@@ -134,6 +135,18 @@ class _EnvPart:
 
     sources: tuple[Source, ...]
     asks: tuple[tuple[str, EnvAsk], ...]  # (family, its reading) where not empty
+
+
+def read_by_parse(info: ContainerInfo) -> tuple[Hashable, ...]:
+    """Everything of `info` that parse() reads, as a hashable key: the container's name,
+    the annotations whose key starts with one of ANNOTATION_PREFIXES (pod's, then the
+    container's) and the env entries starting with one of ENV_PREFIXES. Two containers
+    with equal keys parse alike (or fail alike); the key holds nothing else of them."""
+    starts = _IS_PARSED_KEY
+    return (info.container_name,
+            tuple(sorted(kv for kv in info.pod_annotations.items() if starts(kv[0]))),
+            tuple(sorted(kv for kv in info.container_annotations.items() if starts(kv[0]))),
+            tuple(filter(_IS_READ_ENTRY, info.env)))
 
 
 def parse(info: ContainerInfo) -> Parsed:

@@ -77,11 +77,17 @@ class Selection:
     passthrough: tuple[Device, ...] = ()
     notes: tuple[str, ...] = ()
     granted_by: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    keys: frozenset[str] = frozenset()  # of devices and passthrough; select() fills it in
+
+    @property
+    def held(self) -> frozenset[str]:
+        """Keys of every device it names (granted or passed through)."""
+        return self.keys or frozenset(d.key for d in (*self.devices, *self.passthrough))
 
     @property
     def exclusive(self) -> frozenset[str]:
         """Keys this container holds exclusively."""
-        return frozenset(d.key for d in (*self.devices, *self.passthrough)) - self.shared
+        return self.held - self.shared
 
 
 class DeviceIndex:
@@ -271,7 +277,9 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
         index.keys[p] for p in order
         if p not in specific or p in shared or granted[p].kind in shared_kinds)
     held_passthrough = tuple(passthrough[p] for p in sorted(passthrough))
+    keys = index.keys
     return Selection(
+        keys=frozenset(keys[p] for p in (*order, *passthrough)),
         devices=devices,
         shared=shared_keys | frozenset(d.key for d in held_passthrough
                                        if d.kind in shared_kinds),

@@ -265,3 +265,23 @@ def test_demoted_container_annotation_ranks_with_the_pods() -> None:
     assert req.cdi_names == ("nvidia.com/gpu=0", "nvidia.com/gpu=1")
     assert claims(req, "limits") == [
         (GPU, ("1",), None, False, f"container annotation {key} (also set on the pod)")]
+
+
+# ---- the same request again (Policy.request_for remembers them) --------------------------
+
+def test_a_request_asked_again_gets_the_same_answer_and_its_own_namespace_verdict() -> None:
+    asked = {"devices.nri-accel.io/pod": "nvidia.com/gpu=0"}
+    trusted = parse(TRUSTING_GPU_OPERATOR, pod=asked, namespace="gpu-operator")
+    again = parse(TRUSTING_GPU_OPERATOR, pod={**asked, "unrelated": "x"},
+                  namespace="gpu-operator", env=("PATH=/bin",))
+    assert again == trusted and claims(again)[0][:2] == ("nvidia.com/gpu", ("0",))
+    for _ in range(2):  # a refusal is refused every time, never remembered as an answer
+        with pytest.raises(PolicyError):
+            parse(TRUSTING_GPU_OPERATOR, pod=asked, namespace="default")
+    other = parse(TRUSTING_GPU_OPERATOR, pod={"devices.nri-accel.io/pod": "nvidia.com/gpu=1"},
+                  namespace="gpu-operator")
+    assert claims(other)[0][1] == ("1",)
+    named = parse(STANDALONE, pod={"devices.nri-accel.io/container.main": "nvidia.com/gpu=2"})
+    assert claims(named)[0][1] == ("2",)
+    assert parse(STANDALONE, pod={"devices.nri-accel.io/container.main": "nvidia.com/gpu=2"},
+                 container="sidecar").grants == ()

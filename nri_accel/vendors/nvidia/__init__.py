@@ -530,13 +530,15 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
     """NVIDIA_REQUIRE_*: every granted GPU or MIG device must satisfy them; with no GPU
     (NVIDIA_VISIBLE_DEVICES=none) only the driver facts are checked. RequestError names
     the variable that fails."""
+    # Keyed by the variables' text (str hashes are cached; the dataclass's are not).
+    texts = tuple((r.source, r.text) for r in reqs.items)
     if not devices:
-        failed = _unsatisfied(index, reqs, None)
+        failed = _unsatisfied(index, reqs, texts, None)
         if failed is not None:
             raise RequestError(f"the driver: {failed[1]}", source=failed[0])
         return
     for d in devices:
-        failed = _unsatisfied(index, reqs, d)
+        failed = _unsatisfied(index, reqs, texts, d)
         if failed is not None:
             raise RequestError(f"{d.qualified_name}: {failed[1]}", source=failed[0])
 
@@ -544,15 +546,13 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
 _MEMO_SIZE = 4096  # requirement checks remembered per inventory before starting over
 
 
-def _unsatisfied(index: Any, reqs: Requirements, device: Device | None
-                 ) -> tuple[str, str] | None:
+def _unsatisfied(index: Any, reqs: Requirements, texts: tuple[tuple[str, str], ...],
+                 device: Device | None) -> tuple[str, str] | None:
     """reqs.unsatisfied() for `device`'s facts, remembered per (requirements, device) in
     the inventory's index: images repeat the same requirements and the facts do not
     change."""
     memo: dict[Any, tuple[str, str] | None] = index.memo(VENDOR)
-    # Keyed by the variables' text (str hashes are cached; the dataclass's are not).
-    key = (tuple((r.source, r.text) for r in reqs.items),
-           -1 if device is None else index.position(device))
+    key = (texts, -1 if device is None else index.position(device))
     try:
         return memo[key]
     except KeyError:
