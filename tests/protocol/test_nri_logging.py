@@ -10,7 +10,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import pytest
 import structlog
@@ -64,3 +66,17 @@ def test_a_logger_follows_structlog_configure_and_capture_logs() -> None:
     LOG.info("plugin_stopped")
     assert [d["event"] for d in lines(out)] == ["registered", "sync_chunk", "plugin_stopped"]
     assert [(d["event"], d["pod"]) for d in captured] == [("container_created", "p0")]
+
+
+def test_a_json_line_carries_a_utc_timestamp_and_renders_any_value() -> None:
+    out = io.StringIO()
+    log.configure(level="info", fmt="json", file=out)
+    before = datetime.now(UTC)
+    LOG.info("container_created", devices=["nvidia.com/gpu=0"], odd=set)
+    after = datetime.now(UTC)
+    (line,) = lines(out)
+    stamp = line["timestamp"]
+    assert isinstance(stamp, str) and re.fullmatch(
+        r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", stamp)
+    assert before.replace(microsecond=0) <= datetime.fromisoformat(stamp) <= after
+    assert line["devices"] == ["nvidia.com/gpu=0"] and line["odd"] == repr(set)
