@@ -98,7 +98,8 @@ class AccelPlugin:
 
     def create_container(self, pod: Any, container: Any) -> Any:
         started = time.perf_counter_ns()
-        if self._asks_nothing(pod, container):
+        env = convert.container_env(container, ENV_SCOPE)  # of a large one, what is read
+        if self._asks_nothing(pod, container, env):
             # Most containers on a node ask for nothing: they are answered at once, empty
             # (the stub sends b""), without a ContainerInfo, a parse or an info line
             # (about a tenth of what the full path costs; bench_roundtrip.py).
@@ -106,7 +107,7 @@ class AccelPlugin:
             log.debug("container_created", container_id=container.id, devices=[],
                       asked="nothing")
             return None
-        info = convert.container_info(pod, container, ENV_SCOPE)
+        info = convert.container_info(pod, container, env)
         try:
             plan = self.engine.plan(info)
             result = adjust.build_adjustment(plan.edits, plan.annotations, plan.cdi_devices,
@@ -132,14 +133,14 @@ class AccelPlugin:
                  duration_us=elapsed // 1000)
         return result
 
-    def _asks_nothing(self, pod: Any, container: Any) -> bool:
+    def _asks_nothing(self, pod: Any, container: Any, env: tuple[str, ...]) -> bool:
         """Whether the container asks for nothing and holds nothing: none of its pod's
         and its own annotation keys, nor an entry of its env, is one the request parser
         reads (Engine.plan would answer an empty adjustment; an env that sets a
         visibility variable is read, and rewritten), and no grant is recorded that its
         creation would replace (plan() and commit() release that one)."""
         return not (
-            convert.mentions(pod, container, ANNOTATION_PREFIXES, ENV_PREFIXES)
+            convert.mentions(pod, container, ANNOTATION_PREFIXES, env, ENV_PREFIXES)
             or self.engine.holds(container.id, pod.uid or pod.id,
                                  convert.container_name(container)))
 

@@ -135,13 +135,24 @@ def test_a_large_env_keeps_the_container_ld_library_path_when_it_is_extended() -
 
 @pytest.mark.parametrize("size", [0, 3, convert.LARGE_ENV, convert.LARGE_ENV + 1, 5000])
 def test_env_entries_are_the_entries_starting_with_a_prefix_in_order(size: int) -> None:
-    prefixes = ("NVIDIA_VISIBLE_DEVICES=", "NVIDIA_REQUIRE_", "LD_LIBRARY_PATH=", "Ü=")
+    prefixes = ("NVIDIA_VISIBLE_DEVICES=", "NVIDIA_REQUIRE_", "NV_GPU=", "LD_LIBRARY_PATH=",
+                "Ü=")
     env = [f"V{i}=NVIDIA_VISIBLE_DEVICES=x" for i in range(size)]
-    for i, entry in enumerate(("NVIDIA_REQUIRE_CUDA=cuda>=12", "LD_LIBRARY_PATH=/a",
-                               "Ü=1", "NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE")):
-        env.insert(i * size // 5, entry)
-    ctr = make_container(make_pod({"name": "p"}), {"name": "c", "env": env})
+    for i, entry in enumerate(("NVIDIA_REQUIRE_CUDA=cuda>=12", "LD_LIBRARY_PATH=/a", "Ü=1",
+                               "NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_REQUIRE", "NVIDIA_X=1",
+                               "NV_GPU=1", "NV_GPU=2")):
+        env.insert(i * size // 8, entry)
     expected = tuple(e for e in env if e.startswith(prefixes))
-    assert convert.env_entries(ctr, prefixes) == expected
-    assert convert.env_entries(ctr, prefixes, first=True) == expected[:1]
-    assert convert.env_entries(ctr, ("NOT_THERE=",)) == ()
+    assert len(expected) == 6
+    assert convert.env_entries(env, prefixes) == expected
+    assert convert.env_entries(["NV_GPU=0", *env], prefixes) == ("NV_GPU=0", *expected)
+    assert convert.env_entries([*env, "NV_GPU="], prefixes) == (*expected, "NV_GPU=")
+    assert convert.env_entries(env, ("NOT_THERE=",)) == ()
+    ctr = make_container(make_pod({"name": "p"}), {"name": "c", "env": env})
+    kept = convert.container_env(ctr, prefixes)
+    assert kept == (tuple(env) if len(env) <= convert.LARGE_ENV else expected)
+
+
+def test_a_large_env_whose_entries_hold_a_nul_is_still_searched_exactly() -> None:
+    env = [f"V{i}=x\0NV_GPU=9" for i in range(convert.LARGE_ENV + 1)] + ["NV_GPU=0"]
+    assert convert.env_entries(env, ("NV_GPU=",)) == ("NV_GPU=0",)

@@ -1,0 +1,74 @@
+"""Benchmark of CreateContainer requests with a huge env, as the daemon serves them.
+
+Run: .venv/bin/python tests/bench/bench_env.py [--entries N] [--rounds N]
+Prints milliseconds per request (median and best of --rounds), asserts nothing. Each
+request is the real CRI-generated CreateContainer of shared/nri-wire's
+containerd-2.3.4-e2e capture with N extra env variables (default 100,000: about
+1 MiB), served as the daemon serves it: its payload decoded by the stub's
+CreateContainer service, AccelPlugin.create_container on the demo inventory (kubernetes
+mode, namespace untrusted), the answer encoded. The whole of it runs on the event loop,
+which DESIGN.md wants held a few milliseconds at most. Cases:
+- the env holds only variables nri-accel does not read (the container asks nothing);
+- the same with a CUDA image's variables at the end (NVIDIA_VISIBLE_DEVICES=all is
+  rewritten to void: env may not grant there; LD_LIBRARY_PATH, NVIDIA_REQUIRE_CUDA);
+- the same with a GPU granted by the device plugin's annotation (the container's
+  LD_LIBRARY_PATH extended with the driver's library directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from bench_request import CUDA_ENV
+from bench_roundtrip import DEMO_INVENTORY, captured_request
+
+from nri_accel import log
+from nri_accel.config import Config
+from nri_accel.engine import Engine
+from nri_accel.inventory import Inventory
+from nri_accel.nri.stub import Identity, Stub
+from nri_accel.plugin import AccelPlugin
+
+
+def payload(entries: int, tail: tuple[str, ...], annotations: dict[str, str]) -> bytes:
+    req = captured_request()
+    req.pod.annotations.clear()
+    req.container.annotations.update(annotations)
+    req.container.env.extend(f"K{i:06d}=v" for i in range(entries))
+    req.container.env.extend(tail)
+    return req.SerializeToString()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--entries", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    log.configure(level="warning")  # the canonical info lines are not this figure
+    plugin = AccelPlugin(Engine(Inventory.load(DEMO_INVENTORY), Config()))
+    serve = Stub(plugin, Identity("bench", "99"))._services()["CreateContainer"]
+    gpu = {"devices.nri-accel.io": "nvidia.com/gpu=0"}  # the device plugin's grant
+    cases = {
+        "only variables nri-accel does not read": payload(args.entries, (), {}),
+        "... and a CUDA image's (void rewrite)": payload(args.entries, CUDA_ENV, {}),
+        "... and a GPU granted (LD_LIBRARY_PATH)": payload(args.entries, CUDA_ENV, gpu),
+    }
+    print(f"CreateContainer with {args.entries} extra env variables; ms per request, "
+          f"decoded, served and answered ({args.rounds} rounds)")
+    for name, raw in cases.items():
+        times = []
+        for _ in range(args.rounds):  # the same container again: it replaces its grant
+            t0 = time.perf_counter_ns()
+            serve(None, raw)
+            times.append(time.perf_counter_ns() - t0)
+        print(f"  {name:42} ({len(raw) / 2**20:.2f} MiB)  median "
+              f"{statistics.median(times) / 1e6:6.2f}  best {min(times) / 1e6:6.2f}",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
