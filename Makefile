@@ -13,9 +13,14 @@ all: test
 ## setup: create .venv and install nri-accel with its dev tools (idempotent)
 setup: $(STAMP)
 
+# editable_mode=compat: the checkout goes on sys.path as a plain path entry, as an
+# installed package's directory does; setuptools' default editable import hook costs
+# every process start some 15 ms (it imports pathlib, urllib, ...), which `run`'s
+# start-up figures (bench_roundtrip.py) would otherwise carry.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]' \
+	  --config-settings editable_mode=compat
 	touch $@
 
 ## demo: the built-in 8-GPU demo node and pods through the real daemon (no GPU needed)
