@@ -16,11 +16,17 @@ in alternating blocks, so that all see the same machine.
 without the wake-up of a sleeping CPU at each message (on a small VM that adds about
 0.1 ms per round trip and most of the run-to-run spread). Measured:
 - time from the daemon's process start to its RegisterPlugin reaching the runtime,
-  and to being configured and synchronised;
+  and to being configured and synchronised. The package's bytecode is compiled first
+  (compileall), as installing it does (deploy/image: pip writes the .pyc files): a
+  shell with PYTHONDONTWRITEBYTECODE set never writes them for a checkout, and would
+  have every start compile all of nri_accel again (some 60 % more start-up work);
 - CreateContainer round trip (encode, ttrpc + mux over the socket, the plugin's whole
   pipeline, its answer decoded here): a container asking for nothing, next to the
   floor's (and their ratio), and one asking for a GPU (full adjustment: device
   nodes, driver mounts, env); p50/p99/max;
+- the CPU each of the three plugins' processes spent per request asking for nothing
+  (its main thread's time on a CPU, /proc/PID/schedstat, over those round trips): the
+  plugin's own cost, steadier than round-trip latency on a busy machine;
 - throughput with C CreateContainer calls in flight at a time;
 - the daemon's own time per CreateContainer (duration_us of its canonical log line);
 - the daemon's peak RSS (VmHWM);
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import compileall
 import json
 import os
 import signal
@@ -157,6 +164,11 @@ async def throughput(conn: PluginConn, payload: bytes, n: int, concurrency: int)
     return per_worker * concurrency / (time.perf_counter() - t0)
 
 
+def on_cpu_ns(pid: int) -> int:
+    """Nanoseconds the process's main thread has run on a CPU (/proc/PID/schedstat)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
 def vm_hwm_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -199,14 +211,21 @@ async def main_async(args: argparse.Namespace) -> None:
 
                 for warm in (conn, floor_conn, stub_conn):
                     await round_trips(warm, gpu, 300)
+                pids = (proc.pid, others[0].pid, others[1].pid)
+                cpu = [on_cpu_ns(pid) for pid in pids]
                 ours, bare, stub_only = await alternating([conn, floor_conn, stub_conn], noop,
                                                           args.requests)
+                cpu = [(on_cpu_ns(pid) - before) / len(ours) / 1000
+                       for pid, before in zip(pids, cpu, strict=True)]
                 print(f"CreateContainer, no devices: {percentiles(ours)}")
                 print(f"  floor, a bare ttrpc plugin: {percentiles(bare)}")
                 print(f"  the stub, plugin does nothing: {percentiles(stub_only)}")
                 print(f"  nri-accel / floor:          p50 "
                       f"{quantile(ours, 0.5) / quantile(bare, 0.5):.2f}x  p99 "
                       f"{quantile(ours, 0.99) / quantile(bare, 0.99):.2f}x")
+                print(f"  CPU per request (schedstat): nri-accel {cpu[0]:.1f} us, floor "
+                      f"{cpu[1]:.1f} us, stub {cpu[2]:.1f} us: nri-accel / floor "
+                      f"{cpu[0] / cpu[1]:.2f}x")
                 print(f"CreateContainer, 1 GPU:      "
                       f"{percentiles(await round_trips(conn, gpu, args.requests))}")
                 rate = await throughput(conn, gpu, args.requests, args.concurrency)
@@ -268,6 +287,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})  # the daemon inherits it
+    compileall.compile_dir(REPO / "nri_accel", quiet=1)  # as installed (see above)
     log.configure(level="warning")  # the simulator's info lines would break up the figures
     asyncio.run(main_async(args))
     return 0
