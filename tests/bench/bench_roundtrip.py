@@ -22,8 +22,10 @@ without the wake-up of a sleeping CPU at each message (on a small VM that adds a
   have every start compile all of nri_accel again (some 60 % more start-up work);
 - CreateContainer round trip (encode, ttrpc + mux over the socket, the plugin's whole
   pipeline, its answer decoded here): a container asking for nothing, next to the
-  floor's (and their ratio), and one asking for a GPU (full adjustment: device
-  nodes, driver mounts, env); p50/p99/max;
+  floor's (and their ratio: over the whole run, and turn by turn, the median and
+  quartiles of the ratios of each turn's medians, which a busy machine disturbs less,
+  each turn's figures being taken a few milliseconds apart), and one asking for a GPU
+  (full adjustment: device nodes, driver mounts, env); p50/p99/max;
 - the CPU each of the three plugins' processes spent per request asking for nothing
   (its main thread's time on a CPU, /proc/PID/schedstat, over those round trips): the
   plugin's own cost, steadier than round-trip latency on a busy machine;
@@ -220,9 +222,14 @@ async def main_async(args: argparse.Namespace) -> None:
                 print(f"CreateContainer, no devices: {percentiles(ours)}")
                 print(f"  floor, a bare ttrpc plugin: {percentiles(bare)}")
                 print(f"  the stub, plugin does nothing: {percentiles(stub_only)}")
+                turns = sorted(statistics.median(ours[i:i + BLOCK])
+                               / statistics.median(bare[i:i + BLOCK])
+                               for i in range(0, len(ours), BLOCK))
                 print(f"  nri-accel / floor:          p50 "
                       f"{quantile(ours, 0.5) / quantile(bare, 0.5):.2f}x  p99 "
-                      f"{quantile(ours, 0.99) / quantile(bare, 0.99):.2f}x")
+                      f"{quantile(ours, 0.99) / quantile(bare, 0.99):.2f}x  (p50 turn by "
+                      f"turn: median {statistics.median(turns):.2f}x, "
+                      f"{turns[len(turns) // 4]:.2f}-{turns[len(turns) * 3 // 4]:.2f})")
                 print(f"  CPU per request (schedstat): nri-accel {cpu[0]:.1f} us, floor "
                       f"{cpu[1]:.1f} us, stub {cpu[2]:.1f} us: nri-accel / floor "
                       f"{cpu[0] / cpu[1]:.2f}x")
