@@ -285,6 +285,16 @@ class Inventory:
     def driver(self, vendor: str) -> Driver | None:
         return self.drivers.get(vendor)
 
+    def with_health(self, unhealthy: Mapping[str, str]) -> Inventory:
+        """This inventory with each device whose key `unhealthy` names marked unhealthy,
+        attribute `health` = the reason (a health watch's marks over discovery's view)."""
+        if not unhealthy or not any(d.key in unhealthy for d in self.devices):
+            return self
+        return dataclasses.replace(self, devices=tuple(
+            dataclasses.replace(d, healthy=False, attributes=MappingProxyType(
+                {**d.attributes, "health": unhealthy[d.key]}))
+            if d.key in unhealthy else d for d in self.devices))
+
     # ---- JSON -------------------------------------------------------------------
 
     def to_json(self) -> str:

@@ -304,8 +304,17 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
             device_edits = _to_edits(root, edits)
         except DiscoveryError as e:
             # Not a malformed file: this one device is unusable on this node now.
-            problems.append(Problem(host_path, f"device {kind}={name} left out: {where}: "
-                                               f"device node {e.source}: {e.message}"))
+            if not isinstance(e.__cause__, FileNotFoundError):
+                problems.append(Problem(host_path, f"device {kind}={name} left out: {where}: "
+                                                   f"device node {e.source}: {e.message}"))
+                continue
+            # Described but its node is gone: listed unhealthy (kubelet sees it Unhealthy,
+            # no container is granted it) until the node is back.
+            why = f"device node {e.source} does not exist"
+            problems.append(Problem(host_path, f"device {kind}={name} is unhealthy: {why}"))
+            devices.append(Device(kind=kind, name=name, healthy=False, vendor=vendor,
+                                  attributes=MappingProxyType({"origin": host_path,
+                                                               "health": why})))
             continue
         devices.append(Device(kind=kind, name=name, edits=device_edits,
                               attributes=MappingProxyType({"origin": host_path}),
