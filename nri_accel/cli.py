@@ -34,6 +34,16 @@ docs: README.md (annotation and env syntax, configuration), deploy/ (install)
 """
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
 def _add_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE",
                    help=f"TOML configuration (default {DEFAULT_CONFIG_PATH} if it exists)")
@@ -135,10 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(target="nri_accel.deviceplugin.server:main_device_plugin")
 
     p = sub.add_parser("check", help="validate the configuration and this node's setup",
-                       description="Load the configuration, discover the node and check the "
-                       "NRI socket; print what is wrong. Exit 0 only if `run` would work.")
+                       description="Load the configuration, discover the node, register a "
+                       "short-lived probe plugin (99-nri-accel-check) on the NRI socket and "
+                       "read the runtime's NRI configuration (containerd, CRI-O) under the "
+                       "host root; print what is wrong. Exit 0 only if `run` would work "
+                       "(warnings allowed), 1 otherwise, 2 for an invalid configuration.")
     p.add_argument("--socket", metavar="PATH",
                    help=f"NRI socket to check (default: config nri.socket, else {DEFAULT_SOCKET})")
+    p.add_argument("--timeout", metavar="SECONDS", type=_positive_seconds, default=None,
+                   help="how long the probe waits for the runtime's Configure and first "
+                   "Synchronize (default 10)")
     _add_config(p)
     _add_source(p)
     p.set_defaults(target="nri_accel.check:main_check")
