@@ -160,7 +160,7 @@ class Engine:
             exclusive = selection.exclusive
             grant = replace(draft, exclusive=exclusive, shared=frozenset(
                 d.key for d in (*selection.devices, *selection.passthrough)) - exclusive)
-            self.holdings.check(grant)
+            self.holdings.check(grant, _sources(selection.devices, selection.granted_by))
         built = build_edits(selection, request, tables.catalog, container_env=info.env,
                             device_paths=info.device_paths,
                             mount_destinations=info.mount_destinations)
@@ -184,7 +184,7 @@ class Engine:
         if not plan.grant.container_id:
             return
         with self._lock:
-            self.holdings.check(plan.grant)
+            self.holdings.check(plan.grant, _sources(plan.devices, plan.granted_by))
             replaced = self.holdings.record(plan.grant)
         for g in replaced:
             if g.container_id != plan.grant.container_id:
@@ -229,6 +229,11 @@ class Engine:
         log.info("allocations_restored", containers=len(grants),
                  held=sum(len(g.exclusive) for g in grants),
                  released_not_running=len(dropped))
+
+
+def _sources(devices: Iterable[Device], granted_by: Mapping[str, str]) -> dict[str, str]:
+    """Device.key -> what asked for the device (a held one's refusal names it)."""
+    return {d.key: granted_by.get(d.qualified_name, "") for d in devices}
 
 
 def _parts(inventory: Inventory) -> dict[str, str]:
