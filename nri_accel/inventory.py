@@ -337,8 +337,10 @@ class Inventory:
     def from_json(cls, text: str, *, origin: str = "inventory") -> Inventory:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
             raise InventoryError(f"not valid JSON: {e}", source=origin) from e
+        except RecursionError:
+            raise InventoryError("not valid JSON: nested too deeply", source=origin) from None
         return cls.from_dict(data, origin=origin)
 
     @classmethod
@@ -352,26 +354,34 @@ class Inventory:
 
 
 def natural_key(name: str) -> tuple[Any, ...]:
-    """Sort key that orders "2" before "10" and "0:1" before "0:10"."""
+    """Sort key that orders "2" before "10" and "0:1" before "0:10". Runs of ASCII digits
+    compare as numbers (by length without leading zeros, then digits: no int() of a
+    4301-digit run, which Python refuses, nor of a "²", which isdigit() yet int() refuses)."""
     out: list[Any] = []
     num = ""
     txt = ""
     for ch in name:
-        if ch.isdigit():
+        if "0" <= ch <= "9":
             if txt:
                 out.append((1, txt))
                 txt = ""
             num += ch
         else:
             if num:
-                out.append((0, int(num)))
+                out.append((0, _number_key(num)))
                 num = ""
             txt += ch
     if num:
-        out.append((0, int(num)))
+        out.append((0, _number_key(num)))
     if txt:
         out.append((1, txt))
     return tuple(out)
+
+
+def _number_key(digits: str) -> tuple[int, str]:
+    """A run of ASCII digits as a key that orders like its value."""
+    significant = digits.lstrip("0")
+    return len(significant), significant
 
 
 # ---- generic dataclass <-> JSON (only the types of this module) --------------------
@@ -386,9 +396,9 @@ def _encode(obj: Any) -> Any:
             if f.name.startswith("_"):
                 continue
             v = getattr(obj, f.name)
-            if v is None or v == "" or v == () or (isinstance(v, Mapping) and not v):
-                continue
-            if isinstance(v, ContainerEdits) and not v:
+            empty = (v is None or v == "" or v == () or (isinstance(v, Mapping) and not v)
+                     or (isinstance(v, ContainerEdits) and not v))
+            if empty and _EMPTY_DEFAULT.get((type(obj), f.name), False):
                 continue
             out[f.name] = _encode(v)
         return out
@@ -460,3 +470,16 @@ _FIELD_TYPES: dict[type, dict[str, Any]] = {
              "capabilities": ("map", _EDITS)},
     Problem: {"source": _S, "message": _S},
 }
+
+
+def _empty_default(f: dataclasses.Field[Any]) -> bool:
+    if f.default is not dataclasses.MISSING:
+        return not f.default
+    return f.default_factory is not dataclasses.MISSING and not f.default_factory()
+
+
+# Fields whose default is empty (None, "", (), {}, no edits): to_json leaves them out when
+# empty. An empty value of any other field (Mount.options, DeviceNode.permissions, a
+# required field) is written, so that it loads back as it was, not as the default.
+_EMPTY_DEFAULT = {(cls, f.name): _empty_default(f)
+                  for cls in _FIELD_TYPES for f in dataclasses.fields(cls)}
