@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: all setup demo test test-fast e2e bench soak proto lint clean
+.PHONY: all setup demo test test-fast fuzz e2e bench soak proto lint clean
 
 all: test
 
@@ -35,6 +35,14 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+## fuzz: the fuzz targets (tests/fuzz) with the long profile: FUZZ_EXAMPLES random examples
+# per target, failures kept in .hypothesis/, statistics printed (`make test` runs them short)
+FUZZ_EXAMPLES ?= 10000
+FUZZ_ARGS ?=
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz NRI_ACCEL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) \
+	  $(BIN)/python -m pytest -q tests/fuzz --hypothesis-show-statistics $(FUZZ_ARGS)
+
 ## e2e: the end-to-end test against a real containerd (fetches Debian's containerd + runc)
 # A failed fetch fails the target (an empty NRI_ACCEL_E2E_BIN would only skip the test).
 E2E_CACHE ?= $(HOME)/.cache/nri-accel-e2e
@@ -61,5 +69,5 @@ lint: $(STAMP)
 	$(BIN)/ruff check nri_accel tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

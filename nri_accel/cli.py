@@ -1,7 +1,8 @@
 """The `nri-accel` command line: argument parsing and dispatch, nothing else.
 
 Owns: the verbs, their flags and help texts (a stable interface: see DESIGN.md).
-Imports argparse and, lazily, the module that implements each verb, so that
+Imports argparse, the demo's node names (nri_accel.demo imports only the standard
+library at module level) and, lazily, the module that implements each verb, so that
 `nri-accel run` starts fast and `--help` works even where a vendor library is missing.
 
 Run with no arguments by the container runtime (NRI_PLUGIN_SOCKET set: a
@@ -21,10 +22,12 @@ from collections.abc import Sequence
 
 from nri_accel import __version__
 from nri_accel.config import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET, DEFAULT_STATE_DIR
+from nri_accel.demo import DEFAULT_NODE, NODES
 
 _EPILOG = """\
 examples:
   nri-accel demo                                   built-in 8-GPU node and demo pods
+  nri-accel demo --node mixed                      the same with Gaudi and AMD devices
   nri-accel discover                               what this node has (table)
   nri-accel discover --json > node.json            capture the node for dry runs
   nri-accel explain --inventory node.json --pod pod.yaml
@@ -32,6 +35,16 @@ examples:
 
 docs: README.md (annotation and env syntax, configuration), deploy/ (install)
 """
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
@@ -135,18 +148,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(target="nri_accel.deviceplugin.server:main_device_plugin")
 
     p = sub.add_parser("check", help="validate the configuration and this node's setup",
-                       description="Load the configuration, discover the node and check the "
-                       "NRI socket; print what is wrong. Exit 0 only if `run` would work.")
+                       description="Load the configuration, discover the node, register a "
+                       "short-lived probe plugin (99-nri-accel-check) on the NRI socket and "
+                       "read the runtime's NRI configuration (containerd, CRI-O) under the "
+                       "host root; print what is wrong. Exit 0 only if `run` would work "
+                       "(warnings allowed), 1 otherwise, 2 for an invalid configuration.")
     p.add_argument("--socket", metavar="PATH",
                    help=f"NRI socket to check (default: config nri.socket, else {DEFAULT_SOCKET})")
+    p.add_argument("--timeout", metavar="SECONDS", type=_positive_seconds, default=None,
+                   help="how long the probe waits for the runtime's Configure and first "
+                   "Synchronize (default 10)")
     _add_config(p)
     _add_source(p)
     p.set_defaults(target="nri_accel.check:main_check")
 
-    p = sub.add_parser("demo", help="built-in demo: an 8-GPU node and demo pods, no GPU needed",
-                       description="Start the real daemon against the built-in demo inventory "
-                       "and a simulated container runtime, create the demo pods and print "
-                       "what each container gets.")
+    p = sub.add_parser("demo", help="built-in demo: a node and demo pods, no accelerator needed",
+                       description="Start the real daemon against a built-in demo node's "
+                       "inventory and a simulated container runtime, create the node's demo "
+                       "pods and print what each container gets.")
+    p.add_argument("--node", choices=tuple(NODES), default=DEFAULT_NODE,
+                   help="a100: 8 NVIDIA A100 GPUs, one in MIG mode (the default); mixed: 7 "
+                   "Intel Gaudi2 and 4 AMD Instinct MI300X devices, a made-up mix of two "
+                   "real nodes so that both families' requests show side by side")
     p.add_argument("--json", action="store_true",
                    help="print one JSON document: node, daemon, containers (each adjustment "
                    "in the protobuf JSON mapping, or the refusal) and the daemon log")

@@ -242,8 +242,18 @@ def check_edits(edits: ContainerEdits, *, hooks_enabled: bool = False) -> Contai
     return replace(edits, mounts=mounts, hooks=hooks)
 
 
+def _check_utf8(text: str, what: str) -> None:
+    """Text the NRI protobuf can carry (UTF-8: no lone surrogate, which a JSON "\\ud800"
+    escape in a CDI spec or a saved inventory gives), else UnsafeEdit."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsafeEdit(f"{what} {text[:64]!r} is not valid UTF-8 (a lone surrogate)") from None
+
+
 def check_env(kv: str) -> None:
     """One "KEY=VALUE" entry nri-accel may set, or UnsafeEdit."""
+    _check_utf8(kv, "env entry")
     key, sep, _ = kv.partition("=")
     if not sep or not key or "\0" in kv:
         raise UnsafeEdit(f"env entry {kv[:64]!r} is not KEY=VALUE")
@@ -254,6 +264,7 @@ def check_env(kv: str) -> None:
 def _check_path(path: str, what: str) -> None:
     # normpath keeps a leading "//" (POSIX leaves its meaning to the system), which would
     # let "//proc" past the prefix checks below: refused.
+    _check_utf8(path, what)
     if not path.startswith("/") or path.startswith("//") or "\0" in path:
         raise UnsafeEdit(f"{what} {path[:128]!r} is not an absolute path")
     if ".." in path.split("/"):
@@ -318,6 +329,8 @@ def check_mount(m: Mount) -> Mount:
     the destination is absolute, normalised, not / and not under /proc, /sys or a runtime
     socket's directory.
     """
+    for text in (m.host_path, m.type, *m.options):
+        _check_utf8(text, f"mount {m.container_path[:64]!r}:")
     bind = is_bind_mount(m.type, m.options)
     if bind and m.type not in BIND_TYPES:
         raise UnsafeEdit(f"mount {m.container_path!r} has type {m.type!r} and option "
@@ -377,6 +390,8 @@ def check_mount_source(path: str) -> None:
 
 def _check_hook(h: Hook) -> Hook:
     _check_path(h.path, "hook path")
+    for text in (*h.args, *h.env):
+        _check_utf8(text, f"hook {h.path!r}:")
     for kv in h.env:
         if kv.partition("=")[0] in FORBIDDEN_ENV:
             raise UnsafeEdit(f"hook {h.path!r} sets {kv.partition('=')[0]}")

@@ -100,6 +100,8 @@ class Engine:
         self._shared_kinds = frozenset(config.devices.shared_kinds)
         self._lock = threading.Lock()
         self.holdings = Holdings()
+        self._discovered = inventory  # what discovery found; health marks go on top
+        self._unhealthy: dict[str, Mapping[str, str]] = {}  # family -> key -> reason
         self._tables = self._compile(inventory)
         self.holdings.set_parts(_parts(inventory))
 
@@ -112,8 +114,28 @@ class Engine:
         return self._tables.inventory
 
     def swap_inventory(self, inventory: Inventory) -> None:
-        """Use `inventory` from now on. Holdings are kept (they name devices by what
-        stays true of them); a held device the new inventory lacks is logged."""
+        """Use `inventory` from now on, with the health marks in force. Holdings are
+        kept (they name devices by what stays true of them); a held device the new
+        inventory lacks is logged."""
+        self._discovered = inventory
+        self._use(inventory)
+        log.info("engine_inventory_swapped", devices=len(inventory.devices))
+
+    def set_health(self, family: str, unhealthy: Mapping[str, str]) -> None:
+        """`family`'s health watch says these devices (Device.key -> reason) are
+        unhealthy now (replacing what it said before): they are granted to no new
+        container, by a refusal naming them."""
+        if dict(self._unhealthy.get(family, {})) == dict(unhealthy):
+            return
+        self._unhealthy[family] = dict(unhealthy)
+        self._use(self._discovered)
+        log.info("unhealthy_devices", family=family,
+                 unhealthy={k: why for k, why in sorted(unhealthy.items())},
+                 effect="granted to no new container")
+
+    def _use(self, discovered: Inventory) -> None:
+        marks = {k: why for m in self._unhealthy.values() for k, why in m.items()}
+        inventory = discovered.with_health(marks)
         tables = self._compile(inventory)
         parts = _parts(inventory)
         with self._lock:
@@ -126,7 +148,6 @@ class Engine:
                         container_id=g.container_id,
                         meaning="still held by that container until it ends; never "
                                 "granted to another")
-        log.info("engine_inventory_swapped", devices=len(inventory.devices))
 
     def plan(self, info: ContainerInfo) -> Plan:
         """The Plan for one container. Records nothing (commit() does); raises
@@ -144,7 +165,7 @@ class Engine:
                                shared_kinds=self._shared_kinds)
             exclusive = selection.exclusive
             grant = replace(draft, exclusive=exclusive, shared=selection.held - exclusive)
-            self.holdings.check(grant)
+            self.holdings.check(grant, _sources(selection.devices, selection.granted_by))
         built = build_edits(selection, request, tables.catalog, container_env=info.env,
                             device_paths=info.device_paths,
                             mount_destinations=info.mount_destinations)
@@ -174,7 +195,7 @@ class Engine:
         if not plan.grant.container_id:
             return
         with self._lock:
-            self.holdings.check(plan.grant)
+            self.holdings.check(plan.grant, _sources(plan.devices, plan.granted_by))
             replaced = self.holdings.record(plan.grant)
         for g in replaced:
             if g.container_id != plan.grant.container_id:
@@ -219,6 +240,11 @@ class Engine:
         log.info("allocations_restored", containers=len(grants),
                  held=sum(len(g.exclusive) for g in grants),
                  released_not_running=len(dropped))
+
+
+def _sources(devices: Iterable[Device], granted_by: Mapping[str, str]) -> dict[str, str]:
+    """Device.key -> what asked for the device (a held one's refusal names it)."""
+    return {d.key: granted_by.get(d.qualified_name, "") for d in devices}
 
 
 def _parts(inventory: Inventory) -> dict[str, str]:

@@ -286,6 +286,16 @@ class Inventory:
     def driver(self, vendor: str) -> Driver | None:
         return self.drivers.get(vendor)
 
+    def with_health(self, unhealthy: Mapping[str, str]) -> Inventory:
+        """This inventory with each device whose key `unhealthy` names marked unhealthy,
+        attribute `health` = the reason (a health watch's marks over discovery's view)."""
+        if not unhealthy or not any(d.key in unhealthy for d in self.devices):
+            return self
+        return dataclasses.replace(self, devices=tuple(
+            dataclasses.replace(d, healthy=False, attributes=MappingProxyType(
+                {**d.attributes, "health": unhealthy[d.key]}))
+            if d.key in unhealthy else d for d in self.devices))
+
     # ---- JSON -------------------------------------------------------------------
 
     def to_json(self) -> str:
@@ -328,8 +338,10 @@ class Inventory:
     def from_json(cls, text: str, *, origin: str = "inventory") -> Inventory:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
             raise InventoryError(f"not valid JSON: {e}", source=origin) from e
+        except RecursionError:
+            raise InventoryError("not valid JSON: nested too deeply", source=origin) from None
         return cls.from_dict(data, origin=origin)
 
     @classmethod
@@ -344,28 +356,36 @@ class Inventory:
 
 @lru_cache(maxsize=8192)
 def natural_key(name: str) -> tuple[Any, ...]:
-    """Sort key that orders "2" before "10" and "0:1" before "0:10". Remembered: the
-    hot path sorts the same device paths and names for every container (a 512-GPU grant
-    sorts 512 of them, a loop over characters each)."""
+    """Sort key that orders "2" before "10" and "0:1" before "0:10". Runs of ASCII digits
+    compare as numbers (by length without leading zeros, then digits: no int() of a
+    4301-digit run, which Python refuses, nor of a "²", which isdigit() yet int() refuses).
+    Remembered: the hot path sorts the same device paths and names for every container
+    (a 512-GPU grant sorts 512 of them, a loop over characters each)."""
     out: list[Any] = []
     num = ""
     txt = ""
     for ch in name:
-        if ch.isdigit():
+        if "0" <= ch <= "9":
             if txt:
                 out.append((1, txt))
                 txt = ""
             num += ch
         else:
             if num:
-                out.append((0, int(num)))
+                out.append((0, _number_key(num)))
                 num = ""
             txt += ch
     if num:
-        out.append((0, int(num)))
+        out.append((0, _number_key(num)))
     if txt:
         out.append((1, txt))
     return tuple(out)
+
+
+def _number_key(digits: str) -> tuple[int, str]:
+    """A run of ASCII digits as a key that orders like its value."""
+    significant = digits.lstrip("0")
+    return len(significant), significant
 
 
 # ---- generic dataclass <-> JSON (only the types of this module) --------------------
@@ -380,9 +400,9 @@ def _encode(obj: Any) -> Any:
             if f.name.startswith("_"):
                 continue
             v = getattr(obj, f.name)
-            if v is None or v == "" or v == () or (isinstance(v, Mapping) and not v):
-                continue
-            if isinstance(v, ContainerEdits) and not v:
+            empty = (v is None or v == "" or v == () or (isinstance(v, Mapping) and not v)
+                     or (isinstance(v, ContainerEdits) and not v))
+            if empty and _EMPTY_DEFAULT.get((type(obj), f.name), False):
                 continue
             out[f.name] = _encode(v)
         return out
@@ -454,3 +474,16 @@ _FIELD_TYPES: dict[type, dict[str, Any]] = {
              "capabilities": ("map", _EDITS)},
     Problem: {"source": _S, "message": _S},
 }
+
+
+def _empty_default(f: dataclasses.Field[Any]) -> bool:
+    if f.default is not dataclasses.MISSING:
+        return not f.default
+    return f.default_factory is not dataclasses.MISSING and not f.default_factory()
+
+
+# Fields whose default is empty (None, "", (), {}, no edits): to_json leaves them out when
+# empty. An empty value of any other field (Mount.options, DeviceNode.permissions, a
+# required field) is written, so that it loads back as it was, not as the default.
+_EMPTY_DEFAULT = {(cls, f.name): _empty_default(f)
+                  for cls in _FIELD_TYPES for f in dataclasses.fields(cls)}

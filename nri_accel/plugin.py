@@ -6,12 +6,14 @@ Stop/RemovePodSandbox -> release, Configure -> a warning when the runtime hands 
 plugin configuration; the canonical log line of each CreateContainer that asks; each request
 counted and timed for the metrics) and main_run (the `nri-accel run` daemon: the App,
 the grant checkpoint, the state shared with the device plugin, the refresher, the
-metrics server when an address is given, and the stub). Imports nri_accel.app,
-nri_accel.config, nri_accel.container, nri_accel.engine, nri_accel.errors,
-nri_accel.inventory, nri_accel.log, nri_accel.metrics (nri_accel.metrics.server, with
-prometheus-client, only when metrics are on), nri_accel.request (the grant annotation
-keys, and the annotation keys and env entries it reads), nri_accel.state,
-nri_accel.ttrpc (the message size limit) and nri_accel.nri (stub, adjust, convert).
+families' health watches (on a discovered node an unhealthy device is granted to no
+new container), the metrics server when an address is given, and the stub). Imports
+nri_accel.app, nri_accel.config, nri_accel.container, nri_accel.engine,
+nri_accel.errors, nri_accel.health, nri_accel.inventory, nri_accel.log,
+nri_accel.metrics (nri_accel.metrics.server, with prometheus-client, only when metrics
+are on), nri_accel.request (the grant annotation keys, and the annotation keys and env
+entries it reads), nri_accel.state, nri_accel.ttrpc (the message size limit) and
+nri_accel.nri (stub, adjust, convert).
 
 Most containers on a node ask for nothing: a CreateContainer whose pod and container
 carry no annotation key and no env entry the request parser reads, and whose creation
@@ -44,6 +46,7 @@ from nri_accel.config import DEFAULT_CONFIG_PATH
 from nri_accel.container import ContainerInfo
 from nri_accel.engine import ENV_SCOPE, Engine, Plan
 from nri_accel.errors import ConfigError, InternalError, NriAccelError, RequestError
+from nri_accel.health import HealthWatches
 from nri_accel.inventory import Inventory
 from nri_accel.metrics import ERROR, OK, REFUSED, RUN_EVENTS, RequestRecorder, device_counts
 from nri_accel.nri import adjust, convert
@@ -273,7 +276,7 @@ async def _serve(app: App, engine: Engine, checkpoint: Checkpoint, identity: Any
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(_publish_status(stub, config.state_dir))]
     exits = contextlib.AsyncExitStack()
-    on_refresh = engine.swap_inventory
+    metrics = None
     if app.metrics_address is not None:
         from nri_accel.metrics.server import MetricsServer, RunMetrics
 
@@ -288,12 +291,21 @@ async def _serve(app: App, engine: Engine, checkpoint: Checkpoint, identity: Any
             return None if stub.registered.is_set() else (
                 f"not registered with the container runtime ({stub.socket_path})")
 
-        def on_refresh(inventory: Inventory) -> None:
-            engine.swap_inventory(inventory)
-            metrics.inventory_refreshed()
-
         await exits.enter_async_context(
             MetricsServer(metrics, app.metrics_address, ready=ready, sample=sample))
+    health = None
+    if app.inventory_path is None:  # a discovered node: follow its devices' health
+        health = HealthWatches(app.host_root(), config, engine.set_health)
+        exits.push_async_callback(health.stop)
+        await health.update(engine.inventory)
+
+    async def on_refresh(inventory: Inventory) -> None:
+        engine.swap_inventory(inventory)
+        if metrics is not None:
+            metrics.inventory_refreshed()
+        if health is not None:
+            await health.update(inventory)
+
     refresher = app.refresher(engine.inventory, on_refresh)
     if refresher is not None:
         tasks.append(loop.create_task(refresher.run()))

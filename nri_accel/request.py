@@ -95,6 +95,7 @@ MAX_ENV_READ_CHARS = 4 * MAX_VALUE_BYTES
 
 _DEFAULT_SETTINGS = {p.name: p.settings(NO_ASK, None) for p in PROFILES}
 _COUNT_RE = re.compile(r"[0-9]{1,6}")
+_MAX_YAML_COLLECTIONS = 64  # '[' and '{' in the injector's YAML list (it needs one at most)
 _ENTRY_SPLIT_RE = re.compile(r"[;\n]")
 
 
@@ -375,12 +376,20 @@ def _parse_injector_cdi(value: str, source: str) -> tuple[DeviceClaim, ...]:
     check_text(value, source, newlines=True)
     if not value.strip():
         return ()
+    if value.count("[") + value.count("{") > _MAX_YAML_COLLECTIONS:
+        # PyYAML's scanner takes quadratic time over open flow collections: 4096 '[' cost
+        # over a second per container before it ran out of recursion.
+        raise RequestError(f"not a YAML list of CDI device names: more than "
+                           f"{_MAX_YAML_COLLECTIONS} '[' and '{{'", source=source)
     import yaml  # here: most nodes never see this annotation, and yaml costs start-up time
 
     try:
         names = yaml.safe_load(value)
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an impossible date (2001-02-30)
         raise RequestError(f"not a YAML list of CDI device names: {e}", source=source) from e
+    except RecursionError:
+        raise RequestError("not a YAML list of CDI device names: nested too deeply",
+                           source=source) from None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise RequestError("expected a YAML list of CDI device names such as "
                            "'- vendor.com/device=dev0'", source=source)

@@ -347,13 +347,19 @@ def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Mapping[str, str],
         free_names = ", ".join(index.devices[p].name for p in free) or "none"
         held = [f"{index.devices[p].name} by {busy[keys[p]]}" for p in index.countable(kind)
                 if keys[p] in busy]
-        shown = "; ".join(held[:_MAX_HOLDERS]) + (
-            f"; and {len(held) - _MAX_HOLDERS} more" if len(held) > _MAX_HOLDERS else "")
+        sick = [f"{d.name} ({_health(d)})" for d in index.inventory.of_kind(kind)
+                if not d.healthy]
         raise AllocationError(
             f"asks for {count} {kind} but only {len(free)} of {total} are free "
-            f"(free: {free_names}; held: {shown or 'none'}; the others are unhealthy, "
-            "not countable or granted to this container already)", source=claim.source)
+            f"(free: {free_names}; held: {_capped(held) or 'none'}; "
+            f"unhealthy: {_capped(sick) or 'none'}; the others are not countable or "
+            "granted to this container already)", source=claim.source)
     return tuple(index.devices[p] for p in choose_positions(index.topology, free, count))
+
+
+def _capped(items: list[str]) -> str:
+    return "; ".join(items[:_MAX_HOLDERS]) + (
+        f"; and {len(items) - _MAX_HOLDERS} more" if len(items) > _MAX_HOLDERS else "")
 
 
 def choose(index: DeviceIndex, free: Iterable[Device], count: int) -> tuple[Device, ...]:

@@ -116,7 +116,8 @@ class Grant:
 
 
 def _listed(grants: Iterable[Grant]) -> str:
-    names = sorted({f"{g.name or '?'} (id {g.container_id[:12]})" for g in grants})
+    names = sorted({g.name if g.name == g.container_id
+                    else f"{g.name or '?'} (id {g.container_id[:12]})" for g in grants})
     more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
     return ", ".join(names[:_MAX_LISTED]) + more
 
@@ -213,23 +214,26 @@ class Holdings:
                              "synchronised yet): a count is refused rather than guessed; "
                              "named devices are still served", source=source)
 
-    def check(self, grant: Grant) -> None:
+    def check(self, grant: Grant, sources: Mapping[str, str] | None = None) -> None:
         """Refuse `grant` if it would take a device another container holds: the one
-        exclusivity rule."""
+        exclusivity rule. `sources`: key -> what asked for that device (the refusal
+        names the first conflicting device's)."""
         mine = self.replaced(grant)
         conflicts: dict[str, list[Grant]] = {}
+        first = ""
         for key in sorted(grant.exclusive):
             for related, how in self._related(key):
                 others = [self._grants[i] for i in self._holders.get(related, ())
                           if i not in mine]
                 if others:
+                    first = first or key
                     conflicts.setdefault(key + how, []).extend(others)
         if conflicts:
             shown = "; ".join(f"{k} is held by {_listed(g)}" for k, g in conflicts.items())
             raise AllocationError(f"{shown}: a device is granted to one running container "
                                   "at a time (share it through the device plugin's "
                                   "time-slicing replicas or devices.shared_kinds)",
-                                  source=grant.name)
+                                  source=(sources or {}).get(first, ""))
 
     # ---- changing ----------------------------------------------------------------------
 

@@ -1,17 +1,22 @@
 """`nri-accel demo`: the real daemon, a simulated runtime, a built-in node and pods.
 
-Owns: the demo run and its printout. Imports explain (Pod manifests, the simulated
+Owns: the demo nodes (NODES: each a saved inventory and its pods, one configuration for
+all), the demo run and its printout. Imports explain (Pod manifests, the simulated
 kubelet), nri.simulator (the runtime side of NRI), nri.adjust (JSON rendering), config,
-inventory, log and the standard library.
+inventory, log and the standard library; at module level only the standard library
+(the CLI reads NODES for its --node choices).
 
 The daemon is started exactly as an operator would (`nri-accel run --socket ...`) as a
-subprocess, against the built-in inventory (inventory.json: an 8-GPU A100 node with one
-GPU in MIG mode) and configuration (config.toml: Kubernetes policy, one trusted
-namespace). explain.KubeletDevices plays kubelet with nri-accel's device plugin: it
-allocates the pods' device-plugin resources (nvidia.com/gpu, nvidia.com/mig-<profile>)
-and hands the plugin's Allocate annotations to the containers. The simulator plays
-containerd: it accepts the registration, configures and synchronises the plugin, then
-sends CreateContainer for every container of pods.yaml over the real unix socket, and
+subprocess, against the chosen node's inventory and the built-in configuration
+(config.toml: Kubernetes policy, one trusted namespace). The nodes: `a100` (the default;
+inventory.json and pods.yaml: an 8-GPU A100 node with one GPU in MIG mode) and `mixed`
+(mixed/: seven Intel Gaudi2 and four AMD MI300X devices, what discovery finds on the
+gaudi2-hls and mi300x fake roots put on one node). explain.KubeletDevices plays kubelet
+with nri-accel's device plugin: it allocates the pods' device-plugin resources
+(nvidia.com/gpu, nvidia.com/mig-<profile>, habana.ai/gaudi, amd.com/gpu) and hands the
+plugin's Allocate annotations to the containers. The simulator plays containerd: it
+accepts the registration, configures and synchronises the plugin, then sends
+CreateContainer for every container of the node's pods over the real unix socket, and
 prints what each container got back.
 """
 
@@ -25,13 +30,27 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-INVENTORY = HERE / "inventory.json"
 CONFIG = HERE / "config.toml"
-PODS = HERE / "pods.yaml"
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One built-in demo node: a saved Inventory and the pods created on it."""
+
+    inventory: Path
+    pods: Path
+
+
+NODES = {
+    "a100": Node(HERE / "inventory.json", HERE / "pods.yaml"),
+    "mixed": Node(HERE / "mixed" / "inventory.json", HERE / "mixed" / "pods.yaml"),
+}
+DEFAULT_NODE = "a100"
 
 
 def main_demo(args: argparse.Namespace) -> int:
@@ -40,27 +59,28 @@ def main_demo(args: argparse.Namespace) -> int:
     log.configure(level="warning", fmt="console")
     try:
         with tempfile.TemporaryDirectory(prefix="nri-accel-demo-") as tmp:
-            return asyncio.run(_demo(Path(tmp), as_json=args.json))
+            return asyncio.run(_demo(Path(tmp), args.node, as_json=args.json))
     except BrokenPipeError:
         # `nri-accel demo | head`: the reader left; no traceback (and none at exit).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 
-async def _demo(tmp: Path, *, as_json: bool) -> int:
+async def _demo(tmp: Path, name: str, *, as_json: bool) -> int:
     from nri_accel.config import load_config
     from nri_accel.explain import KubeletDevices, pod_containers, read_manifests
     from nri_accel.inventory import Inventory
     from nri_accel.nri.adjust import to_dict
     from nri_accel.nri.simulator import PluginError, Simulator, make_container, make_pod
 
-    inventory = Inventory.load(INVENTORY)
+    demo_node = NODES[name]
+    inventory = Inventory.load(demo_node.inventory)
     kubelet = KubeletDevices(inventory, load_config(str(CONFIG)))
-    containers = [c for m in read_manifests(str(PODS))
-                  for c in pod_containers(m, str(PODS), kubelet)]
+    pods = str(demo_node.pods)
+    containers = [c for m in read_manifests(pods) for c in pod_containers(m, pods, kubelet)]
     socket_path = str(tmp / "nri.sock")
     log_path = tmp / "daemon.log"
-    node = _node(inventory)
+    node = _node(name, demo_node, inventory)
     if not as_json:
         _print_header(node)
     results: list[dict[str, Any]] = []
@@ -68,7 +88,7 @@ async def _demo(tmp: Path, *, as_json: bool) -> int:
         # The daemon's stdout goes to stderr: stdout is the demo's (one JSON document).
         daemon = subprocess.Popen(
             [sys.executable, "-m", "nri_accel.cli", "run", "--socket", socket_path,
-             "--inventory", str(INVENTORY), "--config", str(CONFIG),
+             "--inventory", str(demo_node.inventory), "--config", str(CONFIG),
              "--log-file", str(log_path), "--state-dir", str(tmp / "state")],
             stdin=subprocess.DEVNULL, stdout=2,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -114,15 +134,21 @@ async def _demo(tmp: Path, *, as_json: bool) -> int:
     return 0
 
 
-def _node(inventory: Any) -> dict[str, Any]:
-    """The demo node in brief: its inputs, device counts by kind and NVIDIA driver."""
+def _node(name: str, demo_node: Node, inventory: Any) -> dict[str, Any]:
+    """The demo node in brief: its inputs, device counts by kind, the unhealthy devices
+    (qualified name -> why), each driver's version and the NVIDIA driver's."""
     nvidia = inventory.driver("nvidia")
     kinds: dict[str, int] = {}
     for d in inventory.devices:
         kinds[d.kind] = kinds.get(d.kind, 0) + 1
     return {
-        "inventory": str(INVENTORY), "config": str(CONFIG), "pods": str(PODS),
+        "name": name,
+        "inventory": str(demo_node.inventory), "config": str(CONFIG),
+        "pods": str(demo_node.pods),
         "devices": kinds,
+        "unhealthy": {d.qualified_name: d.attributes.get("health", "")
+                      for d in inventory.devices if not d.healthy},
+        "drivers": {vendor: d.version for vendor, d in inventory.drivers.items()},
         "nvidia_driver": ({"version": nvidia.version, "cuda_version": nvidia.cuda_version}
                           if nvidia else None),
     }
@@ -130,11 +156,16 @@ def _node(inventory: Any) -> dict[str, Any]:
 
 def _print_header(node: Mapping[str, Any]) -> None:
     nvidia = node["nvidia_driver"]
+    drivers = [f"NVIDIA driver {nvidia['version']}, CUDA {nvidia['cuda_version']}"
+               if vendor == "nvidia" else f"{vendor} driver {version}"
+               for vendor, version in node["drivers"].items()]
     print("demo node: " + ", ".join(f"{n} x {k}" for k, n in node["devices"].items())
-          + (f"; NVIDIA driver {nvidia['version']}, CUDA {nvidia['cuda_version']}"
-             if nvidia else ""))
+          + "".join(f"; {d}" for d in drivers))
     print(f"inventory {node['inventory']}\nconfig    {node['config']}\n"
-          f"pods      {node['pods']}\n")
+          f"pods      {node['pods']}")
+    for device, why in node["unhealthy"].items():
+        print(f"unhealthy {device}: {why}")
+    print()
 
 
 def _render(title: str, kubelet: Mapping[str, str], adj: Any) -> str:

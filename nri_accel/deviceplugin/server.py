@@ -3,11 +3,11 @@
 Owns: one gRPC server per resource on a unix socket in the kubelet device-plugin
 directory, registration with kubelet, re-registration when kubelet restarts, inventory
 and health updates streamed to kubelet, failing closed while the NRI side is away, the
-health watches, the metrics of the process, clean shutdown. Imports grpc
+health watches' reports, the metrics of the process, clean shutdown. Imports grpc
 (nri_accel/deviceplugin is the only package that does) and the generated
 deviceplugin_pb2/_grpc, nri_accel.deviceplugin.resources (the pure decisions), app,
-config, errors, inventory, log, metrics (the recorders; its server module only when
-metrics are on), state (NriStatus) and vendors (each family's health watch);
+config, errors, health (the families' health watches), inventory, log, metrics (the
+recorders; its server module only when metrics are on) and state (NriStatus);
 nri_accel.discover (the Refresher) lazily, when run with a root.
 
 Protocol (kubelet device plugin API v1beta1): for each resource the plugin serves
@@ -76,12 +76,11 @@ from nri_accel.deviceplugin.resources import (
     resources_from_inventory,
 )
 from nri_accel.errors import AllocationError, ConfigError
+from nri_accel.health import HealthWatches
 from nri_accel.inventory import Inventory
 from nri_accel.log import get_logger
 from nri_accel.metrics import DEVICE_PLUGIN_EVENTS, ERROR, OK, REFUSED, RequestRecorder
 from nri_accel.state import NriStatus
-from nri_accel.vendors import PROFILES, family_of
-from nri_accel.vendors.base import HealthWatch
 
 if TYPE_CHECKING:  # importing nri_accel.discover would load every discoverer
     from nri_accel.discover.hostroot import HostRoot
@@ -541,46 +540,6 @@ class DevicePlugins:
         log.error(event, resource=ep.resource.name, error=error, retry_in=delay)
 
 
-class HealthWatches:
-    """Each family's health watch (Profile.health_monitor) over the current inventory,
-    reporting to a DevicePlugins. update() with each new Inventory restarts the watch of
-    a family whose devices changed (its marks start over); stop() ends them all."""
-
-    def __init__(self, plugins: DevicePlugins, root: HostRoot, config: Config) -> None:
-        self._plugins = plugins
-        self._root = root
-        self._config = config
-        self._watches: dict[str, tuple[tuple[str, ...], HealthWatch | None]] = {}
-
-    async def update(self, inventory: Inventory) -> None:
-        for profile in PROFILES:
-            keys = tuple(d.key for d in inventory.devices if family_of(d.kind) is profile)
-            current = self._watches.get(profile.name)
-            if current is not None and current[0] == keys:
-                continue
-            if current is not None and current[1] is not None:
-                await asyncio.to_thread(current[1].stop)
-                log.info("health_watch_restarted", family=profile.name,
-                         reason="the family's devices changed")
-            self._plugins.set_health(profile.name, {})
-            watch = None
-            if keys:
-                name = profile.name
-
-                def report(unhealthy: Mapping[str, str], name: str = name) -> None:
-                    self._plugins.set_health(name, unhealthy)
-
-                watch = profile.health_monitor(self._root, inventory, self._config, report)
-                if watch is not None:
-                    watch.start()
-            self._watches[profile.name] = (keys, watch)
-
-    async def stop(self) -> None:
-        watches = [w for _, w in self._watches.values() if w is not None]
-        self._watches.clear()
-        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in watches))
-
-
 async def serve(inventory: Inventory, kubelet_dir: str, *, stop: asyncio.Event,
                 config: Config | None = None, root: HostRoot | None = None,
                 poll_interval: float = 1.0, metrics_address: Address | None = None,
@@ -596,7 +555,7 @@ async def serve(inventory: Inventory, kubelet_dir: str, *, stop: asyncio.Event,
     recorders = RequestRecorder.for_events(DEVICE_PLUGIN_EVENTS)
     plugins = DevicePlugins(inventory, kubelet_dir, config=config, recorders=recorders,
                             poll_interval=poll_interval)
-    health = HealthWatches(plugins, root, config) if root is not None else None
+    health = HealthWatches(root, config, plugins.set_health) if root is not None else None
     metrics = server = None
     if metrics_address is not None:
         from nri_accel.metrics.server import DevicePluginMetrics, MetricsServer

@@ -92,6 +92,8 @@ def _info(d: Device) -> str:
         parts.append("links " + ",".join(d.links))
     if a.get("origin"):
         parts.append(f"from {a['origin']}")
+    if not d.healthy and a.get("health"):
+        parts.append(f"unhealthy: {a['health']}")
     return ", ".join(parts)
 
 

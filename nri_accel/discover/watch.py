@@ -2,8 +2,9 @@
 
 Owns: watch_state() (the cheap change probe), nodes_match(), diff() and Refresher (the
 background asyncio task). Imports the standard library, nri_accel.config,
-nri_accel.errors, nri_accel.inventory, nri_accel.log, nri_accel.discover (discover,
-lstat_device, HostRoot) and nri_accel.vendors (each family's probe()).
+nri_accel.errors, nri_accel.health (carry_vanished), nri_accel.inventory,
+nri_accel.log, nri_accel.discover (discover, lstat_device, HostRoot) and
+nri_accel.vendors (each family's probe()).
 
 A poll every `discovery.refresh_interval` seconds (0 disables) costs a few dozen
 stat()s and a few tiny reads; nothing is rediscovered unless something moved:
@@ -15,6 +16,9 @@ stat()s and a few tiny reads; nothing is rediscovered unless something moved:
   nodes of the static config entries;
 - and every device node of the current Inventory still being the node it recorded
   (type, major, minor), which catches a CDI vendor's node disappearing or renumbered.
+
+A device a rediscovery no longer finds is kept, unhealthy (nri_accel.health,
+carry_vanished), and its nodes are no longer compared.
 
 On a change the whole discovery runs again in a worker thread (the event loop keeps
 serving CreateContainer meanwhile); if the new Inventory differs, `inventory_changed`
@@ -40,6 +44,7 @@ from nri_accel.discover import discover
 from nri_accel.discover.base import lstat_device
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.errors import DiscoveryError
+from nri_accel.health import carry_vanished
 from nri_accel.inventory import DeviceNode, Inventory
 from nri_accel.log import get_logger
 from nri_accel.vendors import PROFILES
@@ -62,6 +67,8 @@ def nodes_match(root: HostRoot, inventory: Inventory) -> bool:
     absent = {p.source for p in inventory.problems}
     nodes: dict[str, DeviceNode] = {}
     for device in inventory.devices:
+        if not device.healthy:
+            continue  # its node may be gone: that is what made it unhealthy
         for n in device.edits.device_nodes:
             nodes.setdefault(n.source, n)
     for vendor in {d.vendor for d in inventory.devices}:
@@ -167,7 +174,8 @@ class Refresher:
         if state == self._state and await asyncio.to_thread(nodes_match, self.root,
                                                             self.inventory):
             return None
-        new = await asyncio.to_thread(self._discover, self.root, self.config)
+        new = carry_vanished(self.inventory,
+                             await asyncio.to_thread(self._discover, self.root, self.config))
         self._state = state  # only now: a failed discovery is retried at the next poll
         change = diff(self.inventory, new)
         if new == self.inventory:

@@ -137,7 +137,7 @@ def container_name(container: pb.Container) -> str:
         return ""
     try:
         name = json.loads(raw).get("name", "")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # RecursionError: "[[[[..."
         return ""
     return name if isinstance(name, str) else ""
 

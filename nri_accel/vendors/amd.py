@@ -1,9 +1,10 @@
 """AMD Instinct (amdgpu + amdkfd): discovery, AMD_VISIBLE_DEVICES, container env.
 
-Owns: discover(root) -> Found, parse_visible(value), container_env(granted), probe(root)
-and the family constants (FAMILY, KIND, ENV_VISIBLE, VISIBLE_NONE). Imports the standard
-library, nri_accel.errors, nri_accel.inventory, nri_accel.log,
-nri_accel.discover.{base,hostroot} and nri_accel.vendors.kernel. No ioctl, no libdrm.
+Owns: PROFILE (a VisibleDevicesProfile), discover(root) -> Found, parse_visible(value),
+container_env(granted), probe(root) and the family constants (FAMILY, KIND, ENV_VISIBLE,
+VISIBLE_NONE). Imports the standard library, nri_accel.errors, nri_accel.inventory,
+nri_accel.log, nri_accel.syntax, nri_accel.discover.{base,hostroot,kernel,probe} and
+nri_accel.vendors.base. No ioctl, no libdrm.
 
 Facts it relies on (sources: repository + path):
 
@@ -62,10 +63,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nri_accel.discover import kernel
 from nri_accel.discover.base import Found
@@ -82,7 +83,7 @@ from nri_accel.inventory import (
 )
 from nri_accel.log import get_logger
 from nri_accel.syntax import decimal_index
-from nri_accel.vendors.base import DriverFiles, EnvAsk, FamilyEdits, Profile, visible_ask
+from nri_accel.vendors.base import VisibleDevicesProfile
 
 if TYPE_CHECKING:
     from nri_accel.config import Config
@@ -373,28 +374,21 @@ def probe(root: HostRoot) -> list[tuple[str, object]]:
     return out
 
 
-class AmdProfile(Profile):
+class AmdProfile(VisibleDevicesProfile):
     """The family as nri-accel's stages see it (nri_accel.vendors.base)."""
 
     name = FAMILY
     kinds = (KIND,)
-    env_names = frozenset({ENV_VISIBLE})
-    visibility = (ENV_VISIBLE, VISIBLE_NONE)
+    visible_var = ENV_VISIBLE
+    visible_none = VISIBLE_NONE
+    parse_visible = staticmethod(parse_visible)
+    container_env = staticmethod(container_env)
 
     def discover(self, root: HostRoot, config: Config) -> Found:
         return discover(root)
 
     def probe(self, root: HostRoot, config: Config) -> list[tuple[str, object]]:
         return probe(root)
-
-    def read_env(self, env: Mapping[str, str]) -> EnvAsk:
-        return visible_ask(env, ENV_VISIBLE, KIND, parse_visible)
-
-    def edits(self, devices: Sequence[Device], options: Any, drivers_only: bool,
-              files: DriverFiles) -> FamilyEdits:
-        base = super().edits(devices, options, drivers_only, files)
-        return FamilyEdits(parts=base.parts, notes=base.notes,
-                           env=tuple(container_env(devices).items()))
 
 
 PROFILE = AmdProfile()

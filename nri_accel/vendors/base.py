@@ -1,8 +1,8 @@
 """The vendor profile interface: what an accelerator family owns, and the types it uses.
 
-Owns: Profile (the base class every family subclasses), EnvAsk and EnvSource (what a
-family reads from a container's env) with visible_ask() (the usual shape of a
-visibility variable), FamilyEdits (what a family adds for a selection), HealthWatch
+Owns: Profile (the base class every family subclasses), VisibleDevicesProfile (a
+family asked for through one *_VISIBLE_DEVICES variable), EnvAsk and EnvSource (what a
+family reads from a container's env), FamilyEdits (what a family adds for a selection), HealthWatch
 (what a family's health monitor is to the device plugin) and the DriverFiles view of
 the edits catalog a family reads. Imports the standard library, nri_accel.config
 (types), nri_accel.errors, nri_accel.inventory, nri_accel.syntax and
@@ -306,30 +306,59 @@ class Profile:
         return ""
 
 
-def visible_ask(env: Mapping[str, str], var: str, kind: str,
-                parse: Callable[[str], str | tuple[str, ...] | None]) -> EnvAsk:
-    """The usual shape of a family's visibility variable (HABANA_VISIBLE_DEVICES,
-    AMD_VISIBLE_DEVICES): unset asks nothing; `parse` returns None for a value that asks
-    no device (the variable is still set: `visible`), "all", or device ids, and raises
-    ValueError (turned into a RequestError naming the variable) for anything else."""
-    if var not in env:
-        return NO_ASK
-    name = f"env {var}"
-    value = env[var]
-    try:
-        parsed = parse(value)
-    except ValueError as e:
-        raise RequestError(str(e), source=name) from e
-    if parsed is None:
-        return EnvAsk(visible=True)
-    if parsed == "all":
-        claims: tuple[DeviceClaim, ...] = (DeviceClaim(kind, all=True, source=name),)
-    else:
-        acc = ClaimSet(name)
-        for ident in parsed:
-            acc.add_id(kind, check_id(ident, name))
-        claims = acc.claims()
-    return EnvAsk(sources=(EnvSource(name, claims, value),), visible=True)
+class VisibleDevicesProfile(Profile):
+    """The usual shape of a family asked for through one visibility variable
+    (HABANA_VISIBLE_DEVICES, AMD_VISIBLE_DEVICES) whose container env follows from the
+    granted devices alone. A subclass sets `visible_var` and `visible_none` (the value
+    that grants nothing, written where nothing is granted) and implements
+    parse_visible() and container_env()."""
+
+    visible_var: ClassVar[str] = ""
+    visible_none: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.env_names = frozenset({cls.visible_var})
+        cls.visibility = (cls.visible_var, cls.visible_none)
+
+    def parse_visible(self, value: str) -> str | tuple[str, ...] | None:
+        """The variable's value: None when it asks no device, "all", or device ids;
+        ValueError for anything else."""
+        raise NotImplementedError
+
+    def container_env(self, granted: Sequence[Device]) -> Mapping[str, str]:
+        """The variables the container gets for `granted` (none for an empty grant)."""
+        raise NotImplementedError
+
+    def read_env(self, env: Mapping[str, str]) -> EnvAsk:
+        """Unset asks nothing; a value asking no device still sets the variable
+        (`visible`); a malformed one is a RequestError naming the variable."""
+        var = self.visible_var
+        if var not in env:
+            return NO_ASK
+        name = f"env {var}"
+        value = env[var]
+        try:
+            parsed = self.parse_visible(value)
+        except ValueError as e:
+            raise RequestError(str(e), source=name) from e
+        if parsed is None:
+            return EnvAsk(visible=True)
+        kind = self.kinds[0]
+        if parsed == "all":
+            claims: tuple[DeviceClaim, ...] = (DeviceClaim(kind, all=True, source=name),)
+        else:
+            acc = ClaimSet(name)
+            for ident in parsed:
+                acc.add_id(kind, check_id(ident, name))
+            claims = acc.claims()
+        return EnvAsk(sources=(EnvSource(name, claims, value),), visible=True)
+
+    def edits(self, devices: Sequence[Device], options: Hashable, drivers_only: bool,
+              files: DriverFiles) -> FamilyEdits:
+        base = super().edits(devices, options, drivers_only, files)
+        return FamilyEdits(parts=base.parts, notes=base.notes,
+                           env=tuple(self.container_env(devices).items()))
 
 
 def joined_ranges(numbers: Iterable[int]) -> str:

@@ -33,6 +33,16 @@ ranges "a-b" joined by commas, and left alone when the container already sets it
 AWS_NEURON_VISIBLE_DEVICES and nothing is granted, the variable is removed, so the
 oci-neuron-hook (which reads nothing else) grants nothing either.
 
+Identity: a Neuron device is named by its index, which is what stays true of it. On
+Trainium and Inferentia2 the driver does not number devices in probe order: it reads
+each device's routing id from its firmware (neuron_pci.c, neuron_pci_get_device_id)
+and makes it the index of /dev/neuronN, a fixed place in the NeuronLink topology, the
+same across reboots and driver reloads; a device that fails to come up leaves a gap,
+never a shift. (Inf1's driver counted devices in probe order; an Inf1 node whose
+device is lost after a reboot renumbers, as its own tools would.) The class devices
+have no PCI parent (/sys/devices/virtual/neuron_device), so there is no other id to
+read without the driver's ioctls.
+
 What the aws-neuron-driver exposes (neuron_cdev.c, neuron_module.c) and is read here,
 through the HostRoot:
 

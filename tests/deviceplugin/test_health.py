@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from fakes.nvml import build
+from fakes.nvml.node import FakeNode
 from fakes.roots import materialise
 
 from nri_accel.config import Config, DiscoveryConfig, HealthConfig
@@ -21,7 +22,6 @@ from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
 from nri_accel.deviceplugin.server import serve
 from nri_accel.discover import discover
 from nri_accel.discover.hostroot import HostRoot
-from nri_accel.vendors.nvidia.discover import nvml_library
 
 from .conftest import FakeNriSide, health
 from .fake_kubelet import WAIT, FakeKubelet
@@ -41,10 +41,7 @@ def h100(tmp_path: Path) -> HostRoot:
 
 def inject(root: HostRoot, line: str) -> None:
     """What the driver raises, appended to the fake NVML's events file."""
-    lib = nvml_library(root)
-    assert lib is not None
-    with Path(lib).with_name("fake_nvml.events").open("a") as f:
-        f.write(line + "\n")
+    FakeNode(root).inject(line)
 
 
 class Serving:

@@ -260,12 +260,18 @@ def test_missing_or_symlinked_nodes(tmp_path: Path) -> None:
     _write(tree, "/etc/cdi/other.yaml", _spec(kind="acme.example/other", containerEdits={
         "deviceNodes": [{"path": "/dev/other-ctl"}]}))
     found = discover_cdi(tree.root, DIRS)
-    assert [d.qualified_name for d in found.devices] == ["acme.example/npu=npu0"]
+    # npu1's node is a symlink: left out; npu7's is missing: listed, unhealthy, no edits
+    assert [(d.qualified_name, d.healthy) for d in found.devices] == [
+        ("acme.example/npu=npu0", True), ("acme.example/npu=npu7", False)]
+    npu7 = found.devices[1]
+    assert npu7.attributes["health"] == "device node /dev/npu7 does not exist"
+    assert not npu7.edits
     by_source: dict[str, list[str]] = {}
     for p in found.problems:
         by_source.setdefault(p.source, []).append(p.message)
     assert "is a symlink" in by_source["/etc/cdi/npu.yaml"][0]
-    assert "/dev/npu7: device node does not exist" in by_source["/etc/cdi/npu.yaml"][1]
+    assert by_source["/etc/cdi/npu.yaml"][1] == (
+        "device acme.example/npu=npu7 is unhealthy: device node /dev/npu7 does not exist")
     # a spec-level node that is missing makes the whole file unusable
     assert by_source["/etc/cdi/other.yaml"] == [
         "containerEdits: device node /dev/other-ctl: device node does not exist"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import structlog
-from fakenode import FakeNode
+from fakes.nvml.node import FakeNode
 
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.vendors.nvidia.discover import discover_nvidia

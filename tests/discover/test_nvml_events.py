@@ -1,6 +1,6 @@
 """The NVML event watch (nri_accel.discover.nvml.EventWatch) with the real pynvml against
 the fake libnvidia-ml (tests/fakes/nvml), events injected at run time through the
-fake's events file (fakenode.FakeNode), as the driver would raise them."""
+fake's events file (fakes.nvml.node.FakeNode), as the driver would raise them."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
-from fakenode import FakeNode
 from fakes.nvml import build
+from fakes.nvml.node import FakeNode
 from fakes.roots import ROOTS_DIR
 
 from nri_accel.discover import nvml

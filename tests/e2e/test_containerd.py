@@ -244,6 +244,48 @@ def test_malformed_annotation_fails_create_container(node: Node) -> None:
     assert node.plugin.proc is not None and node.plugin.proc.poll() is None
 
 
+def test_check_probes_the_runtime_beside_the_running_plugin(
+        node: Node, gpu_container: tuple[str, dict[str, Any]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`nri-accel check` registers its probe with the real containerd while `nri-accel
+    run` is registered, reads the Configure and the first Synchronize, leaves, and
+    reads containerd's configuration file under --root."""
+    from nri_accel.cli import main
+
+    root = tmp_path / "host"
+    (root / "etc" / "containerd").mkdir(parents=True)
+    (root / "etc" / "containerd" / "config.toml").write_text(node.containerd.config_text())
+    sock = node.containerd.nri_socket
+    code = main(["check", "--root", str(root), "--socket", str(sock), "--timeout", "30"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    probe = [line for line in lines if line.startswith(f"ok: NRI socket {sock}: containerd ")]
+    assert probe and probe[0].endswith("registered the probe 99-nri-accel-check"), out
+    # the pod and container of gpu_container, the pause container included or not
+    # depending on the version: at least what CRI created
+    synced = [line for line in lines if " synchronized " in line]
+    assert synced and synced[0].startswith("ok: containerd "), out
+    assert "timeouts: request 2 s, registration 5 s" in out
+    assert (f"ok: containerd configuration /etc/containerd/config.toml: NRI on, external "
+            f"plugins allowed, socket {sock}") in out, out
+    closed = 'connection to plugin "99-nri-accel-check" closed'
+    # containerd logs the close when it notices it, maybe after check has returned
+    wait_for("containerd to see the probe go", lambda: closed in node.containerd.messages(),
+             diagnose=node.diagnose)
+    msgs = node.containerd.messages()
+    assert "synchronizing plugin 99-nri-accel-check" in msgs, node.diagnose()
+    assert not [m for m in msgs if "failed to synchronize" in m], node.diagnose()
+    # nri-accel is still registered and serving: the probe went, the plugin stayed
+    sandbox_id, sandbox_config = node.run_pod("after-check", {POD_ANNOTATION: "nvidia.com/gpu=1"})
+    try:
+        container_id = node.create_container(sandbox_id, sandbox_config, "cuda")
+        spec = node.containerd.container_spec(container_id)
+        assert "/dev/nvidia1" in {d["path"] for d in spec["linux"].get("devices", [])}
+    finally:
+        node.remove_pod(sandbox_id)
+
+
 def test_restarted_plugin_restores_grants_from_synchronize(
         node: Node, gpu_container: tuple[str, dict[str, Any]]) -> None:
     """containerd's Synchronize hands a new plugin the created container with the grant

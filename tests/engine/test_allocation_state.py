@@ -109,7 +109,7 @@ def test_a_named_device_held_by_a_count_is_refused_naming_the_holder():
     (gpu,) = counted.devices
     with pytest.raises(AllocationError) as e:
         admit(engine, allocated(f"nvidia.com/gpu={gpu.uuid}", pod="serving", cid="s"))
-    assert e.value.source == "default/serving/main-s"
+    assert e.value.source == "container annotation devices.nri-accel.io"
     assert f"nvidia.com/gpu={gpu.uuid} is held by research/trainer/main-t (id t)" in (
         e.value.message)
     assert held(engine) == {"t": (gpu.qualified_name,)}
@@ -230,3 +230,15 @@ def test_the_checkpoint_file_is_replaced_whole(tmp_path: Path):
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [CHECKPOINT_FILE]
     grants, known = checkpoint.load()
     assert known and grants == [Grant("c1", name="ns/p/c", exclusive=frozenset({"x.io/y=a"}))]
+
+
+def test_a_holder_whose_id_is_its_name_is_named_once():
+    """explain and demo number containers by their names (there is no runtime id)."""
+    engine = Engine(demo_inventory(), standalone())
+    admit(engine, allocated("nvidia.com/gpu=0", namespace="ns", pod="a", name="c",
+                            cid="ns/a/c"))
+    with pytest.raises(AllocationError) as e:
+        engine.plan(allocated("nvidia.com/gpu=0", namespace="ns", pod="b", name="c",
+                              cid="ns/b/c"))
+    assert "is held by ns/a/c:" in e.value.message
+    assert "(id" not in e.value.message

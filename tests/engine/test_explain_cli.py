@@ -1,9 +1,11 @@
 """`nri-accel explain`: golden outputs for the demo pods, and the manifest reader.
 
-Golden files live in tests/golden/explain/: <pod>.txt holds the exit status, stdout and
-stderr of `explain` for one demo pod (readable form), <pod>.json the --json stdout of a
-pod that is granted, demo-all.txt the whole demo file explained at once (one Engine, so
-later pods see what earlier ones hold). Regenerate after an intended change with
+Golden files live in tests/golden/explain/, those of the default (a100) demo node at the
+top and those of every other demo node (nri_accel.demo.NODES) in a directory named after
+it (mixed/): <pod>.txt holds the exit status, stdout and stderr of `explain` for one
+demo pod (readable form), <pod>.json the --json stdout of a pod that is granted,
+demo-all.txt the node's whole demo file explained at once (one Engine, so later pods see
+what earlier ones hold). Regenerate after an intended change with
 `UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/engine/test_explain_cli.py` and review
 the diff.
 """
@@ -18,7 +20,6 @@ import pytest
 import yaml
 from engine_testing import (
     DEMO_CONFIG,
-    DEMO_INVENTORY,
     DEMO_PODS,
     REPO,
     cli_logs_to_sink,
@@ -27,6 +28,7 @@ from engine_testing import (
 from fakes.roots import materialise
 
 from nri_accel.cli import main
+from nri_accel.demo import DEFAULT_NODE, NODES
 
 GOLDEN = REPO / "tests" / "golden" / "explain"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
@@ -38,12 +40,18 @@ def _logs(monkeypatch):
         yield
 
 
-DEMO_DOCS = [d for d in yaml.safe_load_all(DEMO_PODS.read_text()) if d]
+def golden_dir(node: str) -> str:
+    """Where a demo node's golden files live, relative to GOLDEN."""
+    return "" if node == DEFAULT_NODE else f"{node}/"
 
 
-def explain(capsys, pod: Path, *extra: str) -> tuple[int, str, str]:
-    rc = main(["explain", "--inventory", str(DEMO_INVENTORY), "--config", str(DEMO_CONFIG),
-               "--pod", str(pod), *extra])
+DEMO_DOCS = [(node, d) for node, demo in NODES.items()
+             for d in yaml.safe_load_all(demo.pods.read_text()) if d]
+
+
+def explain(capsys, pod: Path, *extra: str, node: str = DEFAULT_NODE) -> tuple[int, str, str]:
+    rc = main(["explain", "--inventory", str(NODES[node].inventory), "--config",
+               str(DEMO_CONFIG), "--pod", str(pod), *extra])
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -61,18 +69,20 @@ def transcript(rc: int, out: str, err: str) -> str:
     return f"exit: {rc}\n--- stdout ---\n{out}--- stderr ---\n{err}"
 
 
-@pytest.mark.parametrize("doc", DEMO_DOCS, ids=[d["metadata"]["name"] for d in DEMO_DOCS])
-def test_demo_pod_golden(capsys, tmp_path, doc):
+@pytest.mark.parametrize(("node", "doc"), DEMO_DOCS,
+                         ids=[f"{node}/{d['metadata']['name']}" for node, d in DEMO_DOCS])
+def test_demo_pod_golden(capsys, tmp_path, node, doc):
     name = doc["metadata"]["name"]
     pod = tmp_path / f"{name}.yaml"
     pod.write_text(yaml.safe_dump(doc))
-    rc, out, err = explain(capsys, pod)
-    check_golden(f"{name}.txt", transcript(rc, out, err).replace(str(tmp_path), "<tmp>"))
-    rc_json, out_json, _ = explain(capsys, pod, "--json")
+    rc, out, err = explain(capsys, pod, node=node)
+    golden = golden_dir(node) + name
+    check_golden(f"{golden}.txt", transcript(rc, out, err).replace(str(tmp_path), "<tmp>"))
+    rc_json, out_json, _ = explain(capsys, pod, "--json", node=node)
     assert rc_json == rc
     if rc == 0:
         json.loads(out_json)
-        check_golden(f"{name}.json", out_json)
+        check_golden(f"{golden}.json", out_json)
 
 
 def test_demo_pods_expected_outcomes():
@@ -89,10 +99,33 @@ def test_demo_pods_expected_outcomes():
     assert "../../dev/mem" in (GOLDEN / "malformed.txt").read_text()
 
 
-def test_whole_demo_file_golden(capsys):
-    rc, out, err = explain(capsys, DEMO_PODS)
+def test_mixed_demo_pods_expected_outcomes():
+    """What the mixed node's pods promise, independent of the golden files' exact text:
+    each family's env names the granted devices (HABANA_VISIBLE_MODULES their module
+    ids in the same order), AMD GPUs come with /dev/kfd, the untrusted env is rewritten
+    to grant nothing, and the refusals name the variable."""
+    expected = {"gaudi-train": 0, "gaudi-env": 0, "rocm-one": 0, "rocm-env": 0,
+                "grab-env": 0, "gaudi-reset": 1, "rocm-uuid": 1}
+    text = {name: (GOLDEN / "mixed" / f"{name}.txt").read_text() for name in expected}
+    for name, rc in expected.items():
+        assert text[name].startswith(f"exit: {rc}\n"), name
+    assert "HABANA_VISIBLE_DEVICES=4,6\n    HABANA_VISIBLE_MODULES=7,4\n" in text["gaudi-train"]
+    assert "HABANA_VISIBLE_DEVICES=0,3\n    HABANA_VISIBLE_MODULES=3,2\n" in text["gaudi-env"]
+    assert "/dev/dri/renderD129 c 226:129\n    /dev/kfd c 235:0\n" in text["rocm-one"]
+    assert "AMD_VISIBLE_DEVICES=2,3\n" in text["rocm-env"]
+    assert "AMD_VISIBLE_DEVICES=none\n    HABANA_VISIBLE_DEVICES=none\n" in text["grab-env"]
+    assert "devices: none" in text["grab-env"]
+    assert "env HABANA_VISIBLE_DEVICES: habana.ai/gaudi=5 is unhealthy (Needs reset)" \
+        in text["gaudi-reset"]
+    assert "env AMD_VISIBLE_DEVICES: 'GPU-3a5c4e1f2b7d9086' is ROCm's UUID form" \
+        in text["rocm-uuid"]
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_whole_demo_file_golden(capsys, node):
+    rc, out, err = explain(capsys, NODES[node].pods, node=node)
     assert rc == 1  # two demo pods are refused
-    check_golden("demo-all.txt", transcript(rc, out, err))
+    check_golden(f"{golden_dir(node)}demo-all.txt", transcript(rc, out, err))
 
 
 def test_whole_demo_file_hands_counted_devices_out_once(capsys):

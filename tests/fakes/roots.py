@@ -26,7 +26,7 @@ tests/fakes/roots/<name>/:
                   where the fake reads it at nvmlInit (FAKE_NVML_CONFIG overrides).
                   Nothing else is needed: pynvml loads the library discovery locates.
                   Tests inject NVML events (XIDs, ECC errors, lost GPUs) by appending
-                  to fake_nvml.events in the same directory (discover/fakenode.py).
+                  to fake_nvml.events in the same directory (fakes/nvml/node.py).
     root.toml     optional: driver_root = "/run/nvidia/driver" (host path of the
                   driver's files, as with the GPU operator), nvml_variant = "omit-numa"
                   (which fake NVML build the root needs; see fakes.nvml.build.VARIANTS)

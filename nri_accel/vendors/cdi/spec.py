@@ -196,14 +196,17 @@ def _load_spec(root: HostRoot, host_path: str,
     text = _read_spec_file(root, host_path)
     if text is None:
         return None
+    fmt = "JSON" if host_path.endswith(".json") else "YAML"
     try:
         if host_path.endswith(".json"):
             raw = json.loads(text)
         else:
+            _check_yaml_depth(text)
             raw = yaml.load(text, Loader=_YAML_LOADER)
     except (ValueError, yaml.YAMLError) as e:
-        fmt = "JSON" if host_path.endswith(".json") else "YAML"
         raise SpecError(f"not valid {fmt}: {_one_line(e)}") from e
+    except RecursionError:
+        raise SpecError(f"not valid {fmt}: nested too deeply") from None
     return _build_spec(root, raw, host_path, priority)
 
 
@@ -304,8 +307,17 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
             device_edits = _to_edits(root, edits)
         except DiscoveryError as e:
             # Not a malformed file: this one device is unusable on this node now.
-            problems.append(Problem(host_path, f"device {kind}={name} left out: {where}: "
-                                               f"device node {e.source}: {e.message}"))
+            if not isinstance(e.__cause__, FileNotFoundError):
+                problems.append(Problem(host_path, f"device {kind}={name} left out: {where}: "
+                                                   f"device node {e.source}: {e.message}"))
+                continue
+            # Described but its node is gone: listed unhealthy (kubelet sees it Unhealthy,
+            # no container is granted it) until the node is back.
+            why = f"device node {e.source} does not exist"
+            problems.append(Problem(host_path, f"device {kind}={name} is unhealthy: {why}"))
+            devices.append(Device(kind=kind, name=name, healthy=False, vendor=vendor,
+                                  attributes=MappingProxyType({"origin": host_path,
+                                                               "health": why})))
             continue
         devices.append(Device(kind=kind, name=name, edits=device_edits,
                               attributes=MappingProxyType({"origin": host_path}),
@@ -548,9 +560,9 @@ def _check_resolved_source(root: HostRoot, host_path: str) -> None:
     follows it (a link to /var/lib/kubelet is /var/lib/kubelet)."""
     try:
         resolved = root.resolve(host_path)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a path the OS cannot take
         raise UnsafeEdit(f"mount source {host_path!r} cannot be resolved: "
-                         f"{e.strerror or e}") from e
+                         f"{getattr(e, 'strerror', None) or e}") from e
     if resolved != host_path:
         try:
             check_mount_source(resolved)
@@ -603,6 +615,21 @@ def _vtuple(version: str) -> tuple[int, ...]:
 
 
 _YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_MAX_YAML_DEPTH = 32  # a CDI spec nests 7 levels (spec, devices, device, edits, hooks, ...)
+
+
+def _check_yaml_depth(text: str) -> None:
+    """Refuse YAML nested deeper than _MAX_YAML_DEPTH before it is composed: libyaml's
+    composer (CSafeLoader) recurses in C once per level, so 100,000 '[' overflow the
+    stack and kill the process (no exception to catch). Parse events are read in a loop."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_YAML_LOADER):
+        if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
+            depth += 1
+            if depth > _MAX_YAML_DEPTH:
+                raise SpecError(f"nested deeper than {_MAX_YAML_DEPTH} levels")
+        elif isinstance(event, yaml.SequenceEndEvent | yaml.MappingEndEvent):
+            depth -= 1
 
 
 # ---- the version a spec needs (reading and writing) -----------------------------------

@@ -1,0 +1,122 @@
+"""Device health over time: each family's health watch, and what a refresh lost.
+
+Owns: HealthWatches (each family's health watch, Profile.health_monitor, over the
+current inventory, reporting every change of a family's unhealthy devices) and
+carry_vanished() (a refresh that no longer finds a device keeps it, unhealthy). Imports
+the standard library, nri_accel.discover.hostroot (types), nri_accel.inventory,
+nri_accel.log and nri_accel.vendors. Both daemons use both: `device-plugin` reports
+unhealthy devices to kubelet, `run` grants them to no new container
+(Inventory.with_health marks them; nri_accel.select refuses them by name).
+
+A device is unhealthy when discovery says so (a Gaudi whose driver status is not
+operational, a CDI device whose node is gone, ...), when its family's watch says so
+(NVIDIA: critical XIDs, double-bit ECC errors, a GPU off the bus), or when it
+disappeared: a device of a native family the last inventory had and a refresh no longer
+finds (its node gone, NVML no longer listing it) stays listed, unhealthy, "not found by
+the last discovery", until a discovery finds it again, so kubelet sees it Unhealthy
+rather than silently less capacity. A part whose whole is still there (a MIG device
+after a MIG reconfiguration, a NeuronCore of a present device) was removed on purpose
+and is not carried. A watch's marks start over when the
+family's devices change (its watch is restarted on the new inventory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from nri_accel.inventory import Device, Inventory
+from nri_accel.log import get_logger
+from nri_accel.vendors import PROFILES, family_of
+
+if TYPE_CHECKING:
+    from nri_accel.config import Config
+    from nri_accel.discover.hostroot import HostRoot
+    from nri_accel.vendors.base import HealthWatch
+
+log = get_logger(__name__)
+
+VANISHED = "not found by the last discovery"
+
+OnFamilyHealth = Callable[[str, Mapping[str, str]], None]  # family, Device.key -> reason
+
+
+class HealthWatches:
+    """Each family's health watch over the current inventory, reporting
+    `on_health(family, unhealthy)` on the loop. update() with each new Inventory
+    restarts the watch of a family whose devices changed (its marks start over, and
+    it reports an empty map first); stop() ends them all."""
+
+    def __init__(self, root: HostRoot, config: Config, on_health: OnFamilyHealth) -> None:
+        self._root = root
+        self._config = config
+        self._on_health = on_health
+        self._watches: dict[str, tuple[tuple[str, ...], HealthWatch | None]] = {}
+
+    async def update(self, inventory: Inventory) -> None:
+        for profile in PROFILES:
+            keys = tuple(d.key for d in inventory.devices
+                         if d.healthy and family_of(d.kind) is profile)
+            current = self._watches.get(profile.name)
+            if current is not None and current[0] == keys:
+                continue
+            if current is not None and current[1] is not None:
+                await asyncio.to_thread(current[1].stop)
+                log.info("health_watch_restarted", family=profile.name,
+                         reason="the family's devices changed")
+            self._on_health(profile.name, {})
+            watch = None
+            if keys:
+                name = profile.name
+
+                def report(unhealthy: Mapping[str, str], name: str = name) -> None:
+                    self._on_health(name, unhealthy)
+
+                watch = profile.health_monitor(self._root, inventory, self._config, report)
+                if watch is not None:
+                    watch.start()
+            self._watches[profile.name] = (keys, watch)
+
+    async def stop(self) -> None:
+        watches = [w for _, w in self._watches.values() if w is not None]
+        self._watches.clear()
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in watches))
+
+
+def carry_vanished(old: Inventory, new: Inventory) -> Inventory:
+    """`new`, plus each device a native family discovered that `old` had and `new` no
+    longer has, marked unhealthy (VANISHED), except a part whose whole `new` still has
+    (removed on purpose). A carried device whose name a present device now has is
+    renamed to its stable id (an index belongs to the device that has it now). The CDI
+    family's devices are what spec files and the config describe: one whose node is
+    gone is listed unhealthy by its discovery, one whose description is gone was
+    removed on purpose."""
+    have = {d.key for d in new.devices}
+    present = {(family_of(d.kind).name, d.name) for d in new.devices}
+    gone = [d for d in old.devices if d.key not in have and _found_by_its_family(d)
+            and not (d.parent and (family_of(d.kind).name, d.parent) in present)]
+    if not gone:
+        return new
+    for d in gone:
+        if d.healthy:
+            log.warning("device_vanished", device=d.key, name=d.qualified_name,
+                        effect="kept as Unhealthy until a discovery finds it again")
+    # The ids a present device answers to stay its own: a renumbered GPU "1" is the
+    # new GPU 1, and the vanished one answers only to what stays true of it.
+    taken = {(d.kind, i.lower()) for d in new.devices for i in d.ids}
+    carried = tuple(dataclasses.replace(
+        d, healthy=False, attributes=MappingProxyType({**d.attributes, "health": VANISHED}),
+        name=d.stable_id if (d.kind, d.name.lower()) in taken else d.name,
+        aliases=tuple(a for a in d.aliases if (d.kind, a.lower()) not in taken))
+        for d in gone)
+    return dataclasses.replace(new, devices=new.devices + carried)
+
+
+def _found_by_its_family(device: Device) -> bool:
+    """Discovered by its native family itself (Device.vendor is the family's name), not
+    described by a CDI spec or the config (habana.ai/gaudi from a vendor's spec file)."""
+    family = family_of(device.kind)
+    return family.native and device.vendor == family.name

@@ -1,0 +1,134 @@
+"""Fuzz target: the NRI request decode path, CreateContainerRequest bytes ->
+nri.convert.container_info -> Engine.plan -> the adjustment, then Engine.commit, as
+nri_accel.plugin runs it, over the demo node (and the demo node with Neuron and CDI
+devices beside it) in the kubernetes and standalone policies.
+
+Inputs: CreateContainerRequests built from the grammar-aware annotations and env of
+fuzz_inputs, serialised, then often damaged (cut, bytes flipped, bytes inserted); and
+arbitrary bytes. Several requests run in turn against one Engine, so that what earlier
+containers hold shapes the later plans.
+
+Properties:
+- bytes protobuf cannot decode raise DecodeError only (the stub answers those with
+  INVALID_ARGUMENT); container_info never raises;
+- planning and building the answer raise only NriAccelError subclasses (never
+  InternalError, the wrapper of a bug), with a `source` their text starts with;
+- a refused request changes no Engine state: the holdings and their version are as
+  before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from demo_node import demo_inventory
+from fuzz_inputs import annotations, env, mixed_inventory, namespace
+from google.protobuf.message import DecodeError
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nri_accel.config import Config, PolicyConfig
+from nri_accel.engine import Engine
+from nri_accel.errors import InternalError, NriAccelError
+from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri.adjust import build_adjustment
+from nri_accel.nri.convert import container_info
+
+CONFIGS = {
+    "kubernetes": Config(),
+    "standalone": Config(policy=PolicyConfig(mode="standalone")),
+    "trusting": Config(policy=PolicyConfig("kubernetes", frozenset({"gpu-operator"}))),
+}
+NODES = {"demo": demo_inventory, "mixed": mixed_inventory}
+
+
+@functools.cache
+def engine(node: str, config: str) -> Engine:
+    return Engine(NODES[node](), CONFIGS[config])
+
+
+def _wire(s: str) -> str:
+    """`s` as protobuf can carry it (valid UTF-8: a lone surrogate becomes U+FFFD)."""
+    return s.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+@st.composite
+def create_request(draw: st.DrawFn) -> bytes:
+    pod_ann = draw(annotations)
+    ctr_ann = draw(annotations)
+    for key in sorted(pod_ann):  # CRI-O copies the pod's annotations to the container
+        if draw(st.booleans()):
+            ctr_ann[key] = pod_ann[key]
+    pod = pb.PodSandbox(
+        id=draw(st.sampled_from(("sandbox-1", "sandbox-2", ""))),
+        name=draw(st.sampled_from(("pod-a", "pod-b"))),
+        uid=draw(st.sampled_from(("uid-a", "uid-b", ""))),
+        namespace=draw(namespace),
+        annotations={_wire(k): _wire(v) for k, v in pod_ann.items()},
+    )
+    container = pb.Container(
+        id=draw(st.sampled_from(("c1", "c2", "c3", ""))),
+        pod_sandbox_id=pod.id,
+        name=draw(st.sampled_from(("main", "side", ""))),
+        annotations={_wire(k): _wire(v) for k, v in ctr_ann.items()},
+        env=[_wire(e) for e in draw(env)],
+    )
+    for path in draw(st.lists(st.sampled_from(("/dev/nvidia0", "/dev/fuse", "")), max_size=2)):
+        container.linux.devices.add(path=path, type="c", major=195, minor=0)
+    for dest in draw(st.lists(st.sampled_from(("/usr/bin/nvidia-smi", "/tmp")), max_size=2)):
+        container.mounts.add(destination=dest, source="/x", type="bind")
+    data = pb.CreateContainerRequest(pod=pod, container=container).SerializeToString()
+    return draw(damaged(data))
+
+
+@st.composite
+def damaged(draw: st.DrawFn, data: bytes) -> bytes:
+    """`data`, or `data` cut, with bytes flipped or inserted."""
+    how = draw(st.sampled_from(("intact", "intact", "cut", "flip", "insert")))
+    if how == "intact" or not data:
+        return data
+    at = draw(st.integers(0, len(data) - 1))
+    if how == "cut":
+        return data[:at]
+    if how == "flip":
+        return data[:at] + bytes([data[at] ^ draw(st.integers(1, 255))]) + data[at + 1:]
+    return data[:at] + draw(st.binary(min_size=1, max_size=8)) + data[at:]
+
+
+def create(eng: Engine, data: bytes) -> None:
+    """One CreateContainer as nri_accel.plugin serves it."""
+    try:
+        req = pb.CreateContainerRequest.FromString(data)
+    except DecodeError:
+        return
+    info = container_info(req.pod, req.container)
+    before = (eng.holdings.grants(), eng.holdings.version)
+    try:
+        plan = eng.plan(info)
+        build_adjustment(plan.edits, plan.annotations, plan.cdi_devices, plan.unset_env)
+        eng.commit(plan)
+    except NriAccelError as err:
+        assert not isinstance(err, InternalError)
+        assert err.source and str(err).startswith(err.source + ": ")
+        assert (eng.holdings.grants(), eng.holdings.version) == before
+
+
+node = st.sampled_from(sorted(NODES))
+config = st.sampled_from(sorted(CONFIGS))
+
+
+@given(node, config, st.booleans(), st.lists(create_request(), min_size=1, max_size=3))
+def test_create_container_requests(node: str, config: str, known: bool,
+                                   requests: list[bytes]) -> None:
+    eng = engine(node, config)
+    eng.holdings.replace_all((), known=known)
+    for data in requests:
+        create(eng, data)
+
+
+@given(node, config, st.binary(max_size=300))
+def test_create_container_arbitrary_bytes(node: str, config: str, data: bytes) -> None:
+    eng = engine(node, config)
+    eng.holdings.replace_all((), known=True)
+    create(eng, data)
+
