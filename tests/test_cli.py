@@ -89,3 +89,18 @@ def test_the_readme_synopsis_names_exactly_the_flags_of_each_verb() -> None:
         flags = {s for a in sub._actions for s in a.option_strings
                  if s.startswith("--") and s != "--help"}
         assert synopsis[name] == flags, name
+
+
+def test_run_imports_none_of_what_it_does_not_use() -> None:
+    # `run` starts before the runtime registers it (issue #10: start to registered):
+    # grpc (the device plugin), PyYAML (an injector CDI annotation: imported when one
+    # comes), prometheus_client (--metrics-address), pynvml (discovery) and protobuf's
+    # JSON rendering (explain) load only where used. The discoverers (nri_accel.discover)
+    # are still imported by the vendor profiles.
+    unused = ("grpc", "yaml", "prometheus_client", "pynvml", "nri_accel.deviceplugin",
+              "google.protobuf.json_format", "tempfile")
+    code = ("import sys, nri_accel.cli, nri_accel.plugin; "
+            f"print(','.join(m for m in {unused!r} if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                            text=True)
+    assert result.stdout.strip() == ""

@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +57,8 @@ def main_demo(args: argparse.Namespace) -> int:
 
     log.configure(level="warning", fmt="console")
     try:
+        import tempfile  # here: the CLI imports this module for NODES, `run` included
+
         with tempfile.TemporaryDirectory(prefix="nri-accel-demo-") as tmp:
             return asyncio.run(_demo(Path(tmp), args.node, as_json=args.json))
     except BrokenPipeError:
