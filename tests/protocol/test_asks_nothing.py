@@ -11,6 +11,8 @@ small ones. The inventory is the built-in demo node (8 A100s, tests/demo_node.py
 
 from __future__ import annotations
 
+import random
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -18,12 +20,14 @@ from demo_node import demo_inventory
 from structlog.testing import capture_logs
 
 from nri_accel.config import Config, PolicyConfig
+from nri_accel.container import ContainerInfo
 from nri_accel.engine import Engine
 from nri_accel.errors import PolicyError, RequestError
 from nri_accel.nri import convert
 from nri_accel.nri.simulator import make_container, make_pod
 from nri_accel.nri.stub import _created
 from nri_accel.plugin import AccelPlugin
+from nri_accel.request import ANNOTATION_PREFIXES, ENV_PREFIXES, Parsed, parse
 
 pytestmark = pytest.mark.usefixtures("all_logs")  # tests/conftest.py: debug lines too
 
@@ -156,3 +160,47 @@ def test_env_entries_are_the_entries_starting_with_a_prefix_in_order(size: int) 
 def test_a_large_env_whose_entries_hold_a_nul_is_still_searched_exactly() -> None:
     env = [f"V{i}=x\0NV_GPU=9" for i in range(convert.LARGE_ENV + 1)] + ["NV_GPU=0"]
     assert convert.env_entries(env, ("NV_GPU=",)) == ("NV_GPU=0",)
+
+
+KEYS = ("devices.nri-accel.io", "devices.nri-accel.io/pod", "devices.nri-accel.io/pods",
+        "devices.nri-accel.io/container.main", "devices.nri-accel.io/resource.gpu",
+        "capabilities.nri-accel.io", "capabilities.nri-accel.io/pod", "cdi.k8s.io/x",
+        "nvidia.cdi.k8s.io/y", "cdi-devices.noderesource.dev", "cdi-devices.nri.io/pod",
+        "nri-accel.io/granted", "nri-accel.io/shared", "devices.noderesource.dev/pod",
+        "io.kubernetes.cri.container-name", "nri-accel.io", "cdi.k8s.io", "devices.nri",
+        "x.devices.nri-accel.io", "mounts.noderesource.dev/container.main")
+VALUES = ("nvidia.com/gpu=0", "nvidia.com/gpu: 1", "", "garbage=", "- a/b=c\n",
+          "compute,utility", "nvidia.com/gpu=all")
+ENV = (*(f"{n}{v}" for n in ("NVIDIA_VISIBLE_DEVICES", "NV_GPU", "CUDA_VERSION",
+                             "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_REQUIRE_CUDA",
+                             "NVIDIA_MIG_CONFIG_DEVICES", "AWS_NEURON_VISIBLE_DEVICES",
+                             "HABANA_VISIBLE_DEVICES", "AMD_VISIBLE_DEVICES",
+                             "NVIDIA_DISABLE_REQUIRE", "NVIDIA_VISIBLE_DEVICESX", "LD_LIBRARY_PATH",
+                             "PATH", "nvidia_visible_devices")
+                 for v in ("=all", "=0", "=", "=void", "=cuda>=11.0", "")),)
+
+
+def test_what_the_fast_path_answers_empty_the_parser_would_have_asked_nothing_of() -> None:
+    """Random containers over the keys and variables the families read and their near
+    misses: whenever none of its keys or entries is one the parser reads (the test the
+    fast path makes), parse() finds nothing to ask, raises nothing, and the Engine's
+    full path answers an empty adjustment."""
+    rng = random.Random(10)
+    engine = Engine(demo_inventory(), Config(policy=PolicyConfig("standalone")))
+    asked_nothing = 0
+    for i in range(3000):
+        pod = {rng.choice(KEYS): rng.choice(VALUES) for _ in range(rng.randrange(3))}
+        ctr = {rng.choice(KEYS): rng.choice(VALUES) for _ in range(rng.randrange(3))}
+        env = tuple(rng.choice(ENV) for _ in range(rng.randrange(4)))
+        mentioned = (any(k.startswith(ANNOTATION_PREFIXES) for k in (*pod, *ctr))
+                     or any(e.startswith(ENV_PREFIXES) for e in env))
+        if mentioned:
+            continue
+        asked_nothing += 1
+        info = ContainerInfo("ns", "p", "uid", "main", f"c{i}", MappingProxyType(pod),
+                             MappingProxyType(ctr), env)
+        assert parse(info) == Parsed(())
+        plan = engine.plan(info)
+        assert not (plan.devices or plan.edits.env or plan.edits.device_nodes
+                    or plan.edits.mounts or plan.annotations or plan.unset_env)
+    assert asked_nothing > 100
