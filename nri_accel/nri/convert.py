@@ -87,7 +87,7 @@ def env_entries(env: Sequence[str], prefixes: tuple[str, ...]) -> tuple[str, ...
     starts = methodcaller("startswith", prefixes)
     if len(env) <= LARGE_ENV:
         return tuple(filter(starts, env))
-    text = "\0".join(env)
+    text = "\0".join(env[:])  # a slice: protobuf lists it faster than join would
     if text.count("\0") != len(env) - 1:  # an entry holds a NUL
         return tuple(filter(starts, env))
     found: dict[int, str] = {}  # position in `text` -> entry
