@@ -41,6 +41,7 @@ BASE = K8S / "base"
 OVERLAYS = K8S / "overlays"
 EXAMPLES = K8S / "examples"
 DEMO_INVENTORY = REPO / "nri_accel" / "demo" / "inventory.json"
+MIXED_INVENTORY = REPO / "nri_accel" / "demo" / "mixed" / "inventory.json"  # Gaudi and AMD
 KUBECTL_ENV = "NRI_ACCEL_KUBECTL"
 
 # The annotation key the runtime drop-ins configure (tolerate_missing_plugins_annotation).
@@ -369,6 +370,8 @@ EXAMPLE_GRANTS = {
     "gpu-pod.yaml": ("demo", BASE / "config.toml", {"cuda": ("nvidia.com/gpu", 1)}),
     "mig-pod.yaml": ("demo", BASE / "config.toml", {"cuda": ("nvidia.com/mig", 1)}),
     "neuron-pod.yaml": ("trn1", BASE / "config.toml", {"show": ("aws.amazon.com/neuron", 1)}),
+    "gaudi-pod.yaml": ("mixed", BASE / "config.toml", {"show": ("habana.ai/gaudi", 2)}),
+    "amd-pod.yaml": ("mixed", BASE / "config.toml", {"show": ("amd.com/gpu", 1)}),
     "standalone-annotation-pod.yaml": ("demo", OVERLAYS / "standalone-nri" / "config.toml",
                                        {"cuda": ("nvidia.com/gpu", 1)}),
 }
@@ -379,7 +382,7 @@ def _explain(tmp_path: Path, node: str, config: Path, pod: Path,
     if node == "trn1":  # mknod: needs root, as the discovery tests do
         source = ["--root", materialise("trn1", tmp_path / "trn1").root]
     else:
-        source = ["--inventory", str(DEMO_INVENTORY)]
+        source = ["--inventory", str(MIXED_INVENTORY if node == "mixed" else DEMO_INVENTORY)]
     return subprocess.run(
         [sys.executable, "-m", "nri_accel.cli", "explain", *source, "--config", str(config),
          "--pod", str(pod), *extra],
