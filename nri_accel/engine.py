@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from nri_accel.config import Config
@@ -154,17 +154,17 @@ class Engine:
         RequestError and subclasses."""
         request = self._policy.request_for(info)
         counted = next((c for c in request.grants if c.count is not None), None)
-        draft = Grant(info.container_id, name=info.label, pod_uid=info.pod_uid,
-                      pod_id=info.pod_id, container_name=info.container_name)
         with self._lock:
             tables = self._tables
+            busy: Mapping[str, str] = {}  # only counts choose among the free devices
             if counted is not None:
                 self.holdings.require_known(counted.source)
-            selection = select(request, tables.index, self.holdings.busy(draft),
+                busy = self.holdings.busy(_grant(info))
+            selection = select(request, tables.index, busy,
                                cdi_passthrough=self._config.devices.cdi_passthrough,
                                shared_kinds=self._shared_kinds)
             exclusive = selection.exclusive
-            grant = replace(draft, exclusive=exclusive, shared=selection.held - exclusive)
+            grant = _grant(info, exclusive, selection.held - exclusive)
             self.holdings.check(grant, _sources(selection.devices, selection.granted_by))
         built = build_edits(selection, request, tables.catalog, container_env=info.env,
                             device_paths=info.device_paths,
@@ -240,6 +240,13 @@ class Engine:
         log.info("allocations_restored", containers=len(grants),
                  held=sum(len(g.exclusive) for g in grants),
                  released_not_running=len(dropped))
+
+
+def _grant(info: ContainerInfo, exclusive: frozenset[str] = frozenset(),
+           shared: frozenset[str] = frozenset()) -> Grant:
+    return Grant(info.container_id, name=info.label, pod_uid=info.pod_uid,
+                 pod_id=info.pod_id, container_name=info.container_name,
+                 exclusive=exclusive, shared=shared)
 
 
 def _sources(devices: Iterable[Device], granted_by: Mapping[str, str]) -> dict[str, str]:

@@ -218,6 +218,8 @@ class Holdings:
         """Refuse `grant` if it would take a device another container holds: the one
         exclusivity rule. `sources`: key -> what asked for that device (the refusal
         names the first conflicting device's)."""
+        if not grant.exclusive:
+            return
         mine = self.replaced(grant)
         conflicts: dict[str, list[Grant]] = {}
         first = ""
