@@ -96,6 +96,12 @@ class DeviceNode:
     def source(self) -> str:
         return self.host_path or self.path
 
+    def __hash__(self) -> int:
+        # Equal nodes have equal paths; the path's hash is cached by the str, where the
+        # generated hash would hash every field each time (edits are memo keys on the
+        # hot path, nri_accel.nri.adjust).
+        return hash(self.path)
+
 
 @dataclass(frozen=True, slots=True)
 class Mount:
@@ -106,6 +112,9 @@ class Mount:
     container_path: str
     type: str = "bind"
     options: tuple[str, ...] = ("ro", "nosuid", "nodev", "bind")
+
+    def __hash__(self) -> int:
+        return hash(self.container_path)  # as DeviceNode's: equal mounts, equal paths
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ from nri_accel.vendors import PROFILES, family_of
 _MAX_ECHO = 64  # longest user-supplied id echoed back in an error message
 _MAX_LISTED = 16  # most device names listed in an "unknown device" error
 _MAX_HOLDERS = 8  # most held devices listed with their holders in a refused count
+_CHOICES_SIZE = 4096  # count choices remembered per inventory before starting over
 REPLICA_SEPARATOR = "::"  # kubelet time-slicing replica ids: "<device id>::<n>"
 
 
@@ -99,7 +100,8 @@ class DeviceIndex:
     arithmetic rather than string work (`topology`: NUMA nodes and links by position).
     """
 
-    __slots__ = ("_all", "_countable", "_describe", "_members", "_memos", "_pci", "_pos",
+    __slots__ = ("_all", "_choices", "_countable", "_describe", "_members", "_memos", "_pci",
+                 "_pos",
                  "by_key", "devices", "inventory", "keys", "topology")
 
     def __init__(self, inventory: Inventory) -> None:
@@ -143,6 +145,7 @@ class DeviceIndex:
         self._describe = MappingProxyType({k: self._describe_kind(k)
                                            for k in {*inventory.kinds(), *members}})
         self._memos: dict[str, dict[Any, Any]] = {}
+        self._choices: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
 
     def members(self, kind: str) -> tuple[str, ...]:
         """The kinds `kind`'s ids and `all` cover (nvidia.com/gpu: GPUs and MIG devices)."""
@@ -159,6 +162,19 @@ class DeviceIndex:
     def all_of(self, kind: str) -> tuple[Device, ...]:
         """Every healthy device `all` means for `kind`."""
         return self._all.get(kind, ())
+
+    def choose(self, free: tuple[int, ...], count: int) -> tuple[int, ...]:
+        """nri_accel.topology.choose() over this index's topology, remembered per (free
+        positions, count): the choice is pure, and a node goes through few free sets (the
+        same few containers come and go), so most counts skip the search."""
+        key = (free, count)
+        found = self._choices.get(key)
+        if found is None:
+            found = choose_positions(self.topology, free, count)
+            if len(self._choices) >= _CHOICES_SIZE:
+                self._choices.clear()
+            self._choices[key] = found
+        return found
 
     def memo(self, family: str) -> dict[Any, Any]:
         """A dict a family may keep per-inventory results in (it lives as long as this
@@ -211,6 +227,8 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
     exclusively by other running containers, each with its holders' names (counts avoid
     them; a refused count names them). With `cdi_passthrough`, CDI requests are handed
     on as names. Raises RequestError and subclasses."""
+    if not request.grants and not request.drivers_only:
+        return _NOTHING  # limits narrow grants, and no family has anything to check
     busy = busy or {}
     granted: dict[int, Device] = {}  # position -> device
     specific: set[int] = set()  # named or counted: not only reached through `all`
@@ -221,7 +239,6 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
     passthrough: dict[int, Device] = {}
 
     for claim in request.grants:
-        options = request.option(family_of(claim.kind).name)
         if claim.cdi and cdi_passthrough:
             for d, _ in _resolve_known(index, claim, notes):
                 passthrough.setdefault(index.position(d), d)
@@ -235,6 +252,7 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
                 granted.setdefault(pos, d)
                 by.setdefault(pos, claim.source)
         elif claim.ids:
+            options = request.option(family_of(claim.kind).name)
             for ident in claim.ids:
                 d, replica = index.resolve(claim.kind, ident)
                 if d is None:
@@ -270,24 +288,31 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
                    if vendor_of(d.kind) not in request.drivers_only}
 
     order = sorted(granted)
-    devices = tuple(granted[p] for p in order)
+    devices = tuple([granted[p] for p in order])
     _check_families(request, index, devices, {
         p for p in order if p in specific or vendor_of(granted[p].kind) in narrowed})
-    shared_keys = frozenset(
-        index.keys[p] for p in order
-        if p not in specific or p in shared or granted[p].kind in shared_kinds)
-    held_passthrough = tuple(passthrough[p] for p in sorted(passthrough))
     keys = index.keys
+    shared_keys = frozenset([
+        keys[p] for p in order
+        if p not in specific or p in shared or granted[p].kind in shared_kinds])
+    held_passthrough: tuple[Device, ...] = ()
+    held = [keys[p] for p in order]
+    if passthrough:
+        held_passthrough = tuple([passthrough[p] for p in sorted(passthrough)])
+        held += [keys[p] for p in passthrough]
+        shared_keys |= frozenset([d.key for d in held_passthrough if d.kind in shared_kinds])
     return Selection(
-        keys=frozenset(keys[p] for p in (*order, *passthrough)),
+        keys=frozenset(held),
         devices=devices,
-        shared=shared_keys | frozenset(d.key for d in held_passthrough
-                                       if d.kind in shared_kinds),
+        shared=shared_keys,
         cdi_devices=request.cdi_names if cdi_passthrough else (),
         passthrough=held_passthrough,
         notes=tuple(notes),
         granted_by=MappingProxyType({index.devices[p].qualified_name: by[p] for p in order}),
     )
+
+
+_NOTHING = Selection()
 
 
 def _health(device: Device) -> str:
@@ -320,10 +345,11 @@ def _check_families(request: Request, index: DeviceIndex, devices: tuple[Device,
         by_family.setdefault(family_of(d.kind).name, []).append(d)
     for profile in PROFILES:
         mine = by_family.get(profile.name)
-        drivers_only = bool(profile.kinds) and vendor_of(profile.kinds[0]) in request.drivers_only
-        if mine is None and not drivers_only:
-            continue
-        mine = mine or []
+        if mine is None:
+            if not (request.drivers_only and profile.kinds
+                    and vendor_of(profile.kinds[0]) in request.drivers_only):
+                continue
+            mine = []
         profile.check(mine, [d for d in mine if index.position(d) in specific],
                       request.option(profile.name), index)
 
@@ -338,7 +364,7 @@ def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Mapping[str, str],
         return ()
     kind = claim.kind
     keys = index.keys
-    free = [p for p in index.countable(kind) if p not in granted and keys[p] not in busy]
+    free = tuple([p for p in index.countable(kind) if p not in granted and keys[p] not in busy])
     if len(free) < count:
         total = len(index.inventory.of_kind(kind))
         if not total:
@@ -354,7 +380,7 @@ def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Mapping[str, str],
             f"(free: {free_names}; held: {_capped(held) or 'none'}; "
             f"unhealthy: {_capped(sick) or 'none'}; the others are not countable or "
             "granted to this container already)", source=claim.source)
-    return tuple(index.devices[p] for p in choose_positions(index.topology, free, count))
+    return tuple([index.devices[p] for p in index.choose(free, count)])
 
 
 def _capped(items: list[str]) -> str:
@@ -364,8 +390,8 @@ def _capped(items: list[str]) -> str:
 
 def choose(index: DeviceIndex, free: Iterable[Device], count: int) -> tuple[Device, ...]:
     """The best `count` devices among `free` (nri_accel.topology.choose's order)."""
-    positions = [index.position(d) for d in free]
-    return tuple(index.devices[p] for p in choose_positions(index.topology, positions, count))
+    positions = tuple(sorted(index.position(d) for d in free))
+    return tuple([index.devices[p] for p in index.choose(positions, count)])
 
 
 # ---- limits ------------------------------------------------------------------------------

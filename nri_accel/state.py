@@ -146,15 +146,17 @@ class Holdings:
         self._whole = dict(parts)
         self._parts = {w: frozenset(p) for w, p in wholes.items()}
 
-    def _related(self, key: str) -> tuple[tuple[str, str], ...]:
-        """(key, how) of `key` itself, its whole and its parts: the keys whose holders
-        an exclusive grant of `key` conflicts with."""
+    def _related(self, key: str) -> list[tuple[str, str]]:
+        """(key, relation) of `key` itself (""), its whole ("device") and its parts
+        ("part"): the keys whose holders an exclusive grant of `key` conflicts with."""
         out = [(key, "")]
         whole = self._whole.get(key)
         if whole is not None:
-            out.append((whole, f" (its device {whole})"))
-        out.extend((p, f" (its part {p})") for p in sorted(self._parts.get(key, ())))
-        return tuple(out)
+            out.append((whole, "device"))
+        parts = self._parts.get(key)
+        if parts:
+            out.extend((p, "part") for p in sorted(parts))
+        return out
 
     # ---- reading -----------------------------------------------------------------------
 
@@ -218,17 +220,21 @@ class Holdings:
         """Refuse `grant` if it would take a device another container holds: the one
         exclusivity rule. `sources`: key -> what asked for that device (the refusal
         names the first conflicting device's)."""
-        if not grant.exclusive:
-            return
-        mine = self.replaced(grant)
+        holders = self._holders
+        mine: frozenset[str] | None = None  # the grants `grant` replaces, once needed
         conflicts: dict[str, list[Grant]] = {}
         first = ""
         for key in sorted(grant.exclusive):
-            for related, how in self._related(key):
-                others = [self._grants[i] for i in self._holders.get(related, ())
-                          if i not in mine]
+            for related, relation in self._related(key):
+                ids = holders.get(related)
+                if not ids:
+                    continue
+                if mine is None:
+                    mine = self.replaced(grant)
+                others = [self._grants[i] for i in ids if i not in mine]
                 if others:
                     first = first or key
+                    how = f" (its {relation} {related})" if relation else ""
                     conflicts.setdefault(key + how, []).extend(others)
         if conflicts:
             shown = "; ".join(f"{k} is held by {_listed(g)}" for k, g in conflicts.items())

@@ -7,6 +7,7 @@ from types import MappingProxyType
 import pytest
 from engine_testing import GPU_UUIDS, MIG_UUIDS, demo_inventory, held_names, keys, request
 
+from nri_accel import select as select_module
 from nri_accel.errors import AllocationError, NotFoundError, PolicyError, RequestError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Inventory
 from nri_accel.policy import Request
@@ -189,6 +190,30 @@ def test_count_one_prefers_the_fullest_numa_node_best_fit(index):
     # GPU 6's NVLink peer is GPU 7 (MIG mode: not countable), so 6 breaks nothing and
     # NUMA 1 has fewer free GPUs than NUMA 0.
     assert names(select(count(1), index)) == ["nvidia.com/gpu=6"]
+
+
+def test_count_choices_are_remembered_per_free_set_within_a_bound(monkeypatch):
+    idx = DeviceIndex(demo_inventory())
+    searched: list[tuple[tuple[int, ...], int]] = []
+    real = select_module.choose_positions
+
+    def counting(topology, free, count):
+        searched.append((free, count))
+        return real(topology, free, count)
+
+    monkeypatch.setattr(select_module, "choose_positions", counting)
+    first = names(select(count(2), idx))
+    assert names(select(count(2), idx)) == first == ["nvidia.com/gpu=4", "nvidia.com/gpu=5"]
+    assert len(searched) == 1  # the same free set and count: remembered
+    busy = keys(demo_inventory(), "nvidia.com/gpu=4")
+    assert names(select(count(2), idx, busy)) == ["nvidia.com/gpu=0", "nvidia.com/gpu=1"]
+    assert len(searched) == 2  # another free set: searched
+    monkeypatch.setattr(select_module, "_CHOICES_SIZE", 2)
+    assert names(select(count(1), idx)) == ["nvidia.com/gpu=6"]
+    assert len(searched) == 3 and len(idx._choices) == 1  # full: started over
+    # The device plugin's preferred allocation goes through the same memo.
+    assert [d.name for d in choose(idx, idx.devices[:7], 1)] == ["6"]
+    assert len(searched) == 3
 
 
 def test_count_never_picks_a_mig_mode_gpu(index):
