@@ -12,6 +12,11 @@ costs in that process: its own work (decoding, the plugin's, encoding), without 
 kernel's part of the socket I/O or anything the machine's load does to timings, so
 the figure is the same on a busy machine and a quiet one (round-trip times, which
 bench_roundtrip.py prints, are not).
+
+Then the same for the hot path alone, in process: each container of bench_hotpath.py's
+CASES planned, its adjustment built and serialised, and released, --calls times and
+none (after the same warm-up); the figure to compare two trees by (a refactor that
+claims "no slower"), where bench_hotpath.py's microseconds move with the load.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_hotpath import CASES
 from bench_roundtrip import (
     FLOOR,
     REPO,
@@ -41,6 +47,25 @@ from nri_accel import log
 from nri_accel.nri.simulator import Simulator
 
 PLUGINS = ("floor", "stub-only", "nri-accel")
+
+# argv: the case's name, the calls to make after the warm-up.
+HOT_PATH = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from bench_hotpath import CASES, DEMO
+from nri_accel.config import Config, PolicyConfig
+from nri_accel.engine import Engine
+from nri_accel.inventory import Inventory
+from nri_accel.nri.adjust import build_adjustment
+
+engine = Engine(Inventory.load(DEMO),
+                Config(policy=PolicyConfig("kubernetes", frozenset({{"research"}}))))
+make = CASES[sys.argv[1]]
+for i in range(200 + int(sys.argv[2])):
+    p = engine.plan(make(f"c{{i}}"))
+    build_adjustment(p.edits, p.annotations, p.cdi_devices).SerializeToString()
+    engine.release(f"c{{i}}")
+"""
 
 
 async def run_all(requests: int, out: Path) -> dict[str, int]:
@@ -74,17 +99,27 @@ async def run_all(requests: int, out: Path) -> dict[str, int]:
                     proc.send_signal(signal.SIGTERM)
                 for proc in procs.values():
                     proc.wait(timeout=120)
-    counts = {}
-    for name in PLUGINS:
-        text = Path(out, f"{name}-{requests}.out").read_text()
-        found = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
-        counts[name] = int(found.group(1)) if found else 0
-    return counts
+    return {name: total(Path(out, f"{name}-{requests}.out")) for name in PLUGINS}
+
+
+def total(callgrind_out: Path) -> int:
+    found = re.search(r"^(?:summary|totals): (\d+)", callgrind_out.read_text(), re.M)
+    return int(found.group(1)) if found else 0
+
+
+def hot_path(case: str, calls: int, out: Path) -> int:
+    """Instructions the HOT_PATH process executed making `calls` calls of `case`."""
+    file = out / f"hot-path-{calls}.out"
+    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={file}",
+                    sys.executable, "-c", HOT_PATH, case, str(calls)],
+                   stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    return total(file)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--calls", type=int, default=2000, help="hot path calls per case")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         print("valgrind is not installed: no figures (apt-get install valgrind)")
@@ -99,6 +134,13 @@ def main() -> int:
           f"(callgrind, {args.requests} requests):")
     for name in PLUGINS:
         print(f"  {name:10} {per[name] / 1000:7.1f} k   {per[name] / per['floor']:.2f}x the floor")
+    print(f"\nhot path instructions per container, in process (callgrind, {args.calls} "
+          "calls of bench_hotpath.py's plan + adjustment + release):")
+    with tempfile.TemporaryDirectory(prefix="nri-bench-callgrind-") as out:
+        for case in CASES:
+            calls = (hot_path(case, args.calls, Path(out))
+                     - hot_path(case, 0, Path(out))) / args.calls
+            print(f"  {case:44} {calls / 1000:7.1f} k", flush=True)
     return 0
 
 
