@@ -46,6 +46,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 E2E_DIR = Path(__file__).resolve().parent
 REPO = E2E_DIR.parents[1]
 BIN_ENV = "NRI_ACCEL_E2E_BIN"
@@ -80,6 +82,20 @@ class Runtime:
         if self.error:
             return self.bin_dir.name
         return "containerd-" + ".".join(map(str, self.version))
+
+
+POD_ANNOTATION = "devices.nri-accel.io/pod"
+GRANTED = "nri-accel.io/granted"
+
+
+def runtimes_or_skip() -> list[Runtime]:
+    """The containerds NRI_ACCEL_E2E_BIN names (find_runtimes); called at a test module's
+    import, it skips the whole module when the variable is unset."""
+    if not os.environ.get(BIN_ENV):
+        pytest.skip(f"{BIN_ENV} is not set: export {BIN_ENV}=\"$(tests/e2e/fetch-containerd.sh "
+                    "CACHE_DIR)\" to run the end-to-end test against a real containerd",
+                    allow_module_level=True)
+    return find_runtimes(Path(os.environ[BIN_ENV]))
 
 
 def find_runtimes(path: Path) -> list[Runtime]:

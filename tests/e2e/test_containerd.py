@@ -31,19 +31,20 @@ from typing import Any
 import grpc
 import pytest
 from containerd_e2e import (
-    BIN_ENV,
     DEMO_INVENTORY,
     FULL_NAME,
+    GRANTED,
+    POD_ANNOTATION,
     RPC_TIMEOUT,
     Assets,
     Containerd,
     CriClient,
     Plugin,
     Runtime,
-    find_runtimes,
     parse_version,
     placeholder_inventory,
     runtime_problem,
+    runtimes_or_skip,
     wait_for,
 )
 
@@ -51,14 +52,7 @@ from nri_accel.inventory import Inventory
 
 pytestmark = pytest.mark.slow
 
-if not os.environ.get(BIN_ENV):
-    pytest.skip(f"{BIN_ENV} is not set: export {BIN_ENV}=\"$(tests/e2e/fetch-containerd.sh "
-                "CACHE_DIR)\" to run the end-to-end test against a real containerd",
-                allow_module_level=True)
-
-RUNTIMES = find_runtimes(Path(os.environ[BIN_ENV]))
-POD_ANNOTATION = "devices.nri-accel.io/pod"
-GRANTED = "nri-accel.io/granted"
+RUNTIMES = runtimes_or_skip()
 TTRPC_MAX_MESSAGE = 4 << 20  # ttrpc's limit on one message, NRI's transport
 SPLIT_PODS = 10
 

@@ -38,34 +38,28 @@ from typing import Any
 import grpc
 import pytest
 from containerd_e2e import (
-    BIN_ENV,
     DEMO_INVENTORY,
     FULL_NAME,
+    GRANTED,
     PLUGIN_IDX,
     PLUGIN_NAME,
+    POD_ANNOTATION,
     Assets,
     Containerd,
     CriClient,
     LaunchedPlugin,
     Runtime,
-    find_runtimes,
     parse_version,
     placeholder_inventory,
     runtime_problem,
+    runtimes_or_skip,
     wait_for,
 )
 
 pytestmark = pytest.mark.slow
 
-if not os.environ.get(BIN_ENV):
-    pytest.skip(f"{BIN_ENV} is not set: export {BIN_ENV}=\"$(tests/e2e/fetch-containerd.sh "
-                "CACHE_DIR)\" to run the end-to-end test against a real containerd",
-                allow_module_level=True)
-
-RUNTIMES = find_runtimes(Path(os.environ[BIN_ENV]))
-POD_ANNOTATION = "devices.nri-accel.io/pod"
+RUNTIMES = runtimes_or_skip()
 ONE_GPU = {POD_ANNOTATION: "nvidia.com/gpu: 1"}  # a count: the allocator chooses
-GRANTED = "nri-accel.io/granted"
 SYNCED = f'pre-installed NRI plugin "{FULL_NAME}" synchronization success'  # 2.x only
 SYNCING = f"synchronizing plugin {FULL_NAME}"  # logged by both NRIs before a Synchronize
 GPU_NODE = re.compile(r"/dev/nvidia[0-9]+")
