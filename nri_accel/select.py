@@ -101,8 +101,7 @@ class DeviceIndex:
     """
 
     __slots__ = ("_all", "_choices", "_countable", "_describe", "_members", "_memos", "_pci",
-                 "_pos",
-                 "by_key", "devices", "inventory", "keys", "topology")
+                 "_pos", "by_key", "devices", "inventory", "keys", "topology")
 
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
