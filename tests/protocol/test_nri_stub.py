@@ -357,6 +357,25 @@ async def test_split_synchronisation_is_collected_and_delivered_once(sock_path: 
     assert plugin.synced[-1] == (1, 1500)
 
 
+async def test_a_split_synchronisation_delivers_the_runtime_state_field_for_field(
+    sock_path: str,
+) -> None:
+    # The simulator encodes each pod and container once and joins the chunks from those
+    # bytes: what the plugin decodes must still be the runtime's messages, unchanged.
+    class Recorder(Injector):
+        def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
+            self.got = (list(pods), list(containers))
+
+    plugin = Recorder()
+    async with serving(plugin, sock_path) as (sim, _):
+        _big_state(sim, 1500)
+        second = make_pod({"name": "second", "namespace": "other"})
+        sim.pods[second.id] = second
+        await sim.wait_for_plugin()
+    assert sim.sync_splits >= 1
+    assert plugin.got == (list(sim.pods.values()), list(sim.containers.values()))
+
+
 async def test_a_split_synchronisation_hands_over_what_keep_synchronized_kept_of_each_part(
     sock_path: str,
 ) -> None:
