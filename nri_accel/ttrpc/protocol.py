@@ -125,6 +125,8 @@ class Connection:
         (no stream id is used up then), TtrpcError(UNAVAILABLE) once the 32-bit
         stream ids are spent.
         """
+        if len(payload) > self._max:  # the body holds the payload: not worth encoding
+            raise too_large(f"request {service}/{method} payload", len(payload), self._max)
         msg = ttrpc_pb2.Request(
             service=service, method=method, payload=payload, timeout_nano=timeout_nano
         )

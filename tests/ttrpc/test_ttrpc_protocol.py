@@ -135,10 +135,13 @@ def test_oversize_frame_becomes_resource_exhausted_on_its_stream() -> None:
     ]
 
 
-def test_oversize_request_raises_before_encoding_and_keeps_stream_ids() -> None:
+@pytest.mark.parametrize("size", [MAX_MESSAGE_SIZE, MAX_MESSAGE_SIZE + 1, 100 << 20])
+def test_oversize_request_raises_and_keeps_stream_ids(size: int) -> None:
+    # At the limit the payload fits and the body with its header fields does not; over
+    # it the payload alone is refused, before any of it is copied into a message.
     conn = Connection()
     with pytest.raises(TtrpcError) as info:
-        conn.request("svc", "Big", b"\0" * MAX_MESSAGE_SIZE)
+        conn.request("svc", "Big", b"\0" * size)
     assert info.value.code == Code.RESOURCE_EXHAUSTED
     assert "svc/Big" in info.value.message
     assert conn.request("svc", "Small", b"")[0] == 1
