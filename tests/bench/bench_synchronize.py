@@ -12,9 +12,10 @@ ttrpc limit the simulator splits the Synchronize into chunks, as containerd does
 Measured:
 - time from RegisterPlugin to the Synchronize answered, and the daemon's CPU time in
   it (its whole restore: every chunk decoded, kept, converted; the grants rebuilt).
-  The wall time includes the simulator's own work in this process (building and
-  encoding every chunk, over 100 MB for 60,000 containers: Python, where containerd's
-  is Go) on the same machine: the daemon's CPU time is its share;
+  The wall time includes the simulator's own work in this process (encoding every pod
+  and container once, over 100 MB for 60,000 containers, and sending the chunks:
+  Python, where containerd's is Go) on the same machine: the daemon's CPU time is its
+  share;
 - the daemon's peak RSS (VmHWM) and its RSS once synchronised (VmRSS).
 The simulator's request timeout is raised (--request-timeout) so that a slow machine
 does not drop the plugin mid-way: the figure says how long it really took.
