@@ -114,9 +114,9 @@ class AccelPlugin:
         info = convert.container_info(pod, container, env)
         try:
             plan = self.engine.plan(info)
-            result = adjust.build_adjustment(plan.edits, plan.annotations, plan.cdi_devices,
-                                             plan.unset_env)
-            _check_size(result, plan)
+            result = adjust.encode_adjustment(plan.edits, plan.annotations,
+                                              plan.cdi_devices, plan.unset_env)
+            _check_size(len(result), plan)
             self.engine.commit(plan)
         except NriAccelError as exc:
             self._refused(info, exc, started)
@@ -195,11 +195,10 @@ class AccelPlugin:
             self._on_change()
 
 
-def _check_size(adjustment: Any, plan: Plan) -> None:
-    """Refuse an answer the runtime could not receive (over the ttrpc message limit,
-    which a huge LD_LIBRARY_PATH echoed back can reach), naming the variable to blame,
-    before anything is held."""
-    size = adjustment.ByteSize()
+def _check_size(size: int, plan: Plan) -> None:
+    """Refuse an answer the runtime could not receive (an adjustment of `size` bytes,
+    over the ttrpc message limit, which a huge LD_LIBRARY_PATH echoed back can reach),
+    naming the variable to blame, before anything is held."""
     if size <= MAX_ADJUSTMENT_BYTES:
         return
     biggest = max(plan.edits.env, key=len, default="")

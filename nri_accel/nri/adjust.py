@@ -62,15 +62,17 @@ HOOK_FIELDS = {
 }
 
 
-def build_adjustment(
+def encode_adjustment(
     edits: ContainerEdits,
     annotations: Mapping[str, str] | None = None,
     cdi_devices: Iterable[str] = (),
     unset_env: Iterable[str] = (),
-) -> pb.ContainerAdjustment:
+) -> bytes:
     """The ContainerAdjustment applying `edits`, adding `annotations` and `cdi_devices`,
     and removing the variables `unset_env` from the container's env (NRI's removal
-    marker: the key prefixed with "-", which the runtime's generate.AdjustEnv applies).
+    marker: the key prefixed with "-", which the runtime's generate.AdjustEnv applies),
+    as its wire bytes: what the daemon answers with (the stub frames them into the
+    CreateContainerResponse; nothing is decoded and encoded again).
 
     Raises ValueError for a hook whose name is not an OCI hook point.
     """
@@ -79,8 +81,19 @@ def build_adjustment(
     # The env carries the container's own LD_LIBRARY_PATH, of any size: an adjustment
     # with a large env is built and not remembered, so the memo stays small.
     if sum(map(len, edits.env)) > MAX_MEMO_ENV_CHARS:
-        return pb.ContainerAdjustment.FromString(_encode(*args))
-    return pb.ContainerAdjustment.FromString(_encoded_adjustment(*args))
+        return _encode(*args)
+    return _encoded_adjustment(*args)
+
+
+def build_adjustment(
+    edits: ContainerEdits,
+    annotations: Mapping[str, str] | None = None,
+    cdi_devices: Iterable[str] = (),
+    unset_env: Iterable[str] = (),
+) -> pb.ContainerAdjustment:
+    """encode_adjustment()'s adjustment as a message (explain, and whoever reads it)."""
+    return pb.ContainerAdjustment.FromString(
+        encode_adjustment(edits, annotations, cdi_devices, unset_env))
 
 
 def _encode(edits: ContainerEdits, annotations: tuple[tuple[str, str], ...],

@@ -49,6 +49,7 @@ from nri_accel.nri.stub import (
     RUNTIME_SERVICE,
     VALID_EVENTS,
     event_bit,
+    length_delimited,
     mask_events,
 )
 from nri_accel.ttrpc import MAX_MESSAGE_SIZE, CallContext, Code, Endpoint, TtrpcError
@@ -181,8 +182,8 @@ class PluginConn:
         # chunk is those bytes joined (the message's own encoding, field by field), so
         # re-chunking re-encodes nothing. Building the messages again for each try cost
         # this Python runtime seconds on 60,000 containers, which Go's does not spend.
-        pods = [_field(_SYNC_PODS, p.SerializeToString()) for p in self.sim.pods.values()]
-        ctrs = [_field(_SYNC_CONTAINERS, c.SerializeToString())
+        pods = [length_delimited(_SYNC_PODS, p.SerializeToString()) for p in self.sim.pods.values()]
+        ctrs = [length_delimited(_SYNC_CONTAINERS, c.SerializeToString())
                 for c in self.sim.containers.values()]
         per_pods, per_ctrs = len(pods), len(ctrs)
         deadline = time.monotonic() + self.sim.request_timeout
@@ -211,17 +212,6 @@ class PluginConn:
 # more (3) a varint.
 _SYNC_PODS, _SYNC_CONTAINERS = 1, 2
 _SYNC_MORE = bytes([3 << 3, 1])  # field 3, varint: true
-
-
-def _field(number: int, data: bytes) -> bytes:
-    """`data` as the length-delimited field `number` of a message (tag, varint length)."""
-    head = bytearray([number << 3 | 2])
-    n = len(data)
-    while n > 0x7F:
-        head.append(n & 0x7F | 0x80)
-        n >>= 7
-    head.append(n)
-    return bytes(head) + data
 
 
 def _smaller_chunks(pods: int, ctrs: int, size: int) -> tuple[int, int]:

@@ -7,8 +7,8 @@ region. The container env is a real CUDA 12.4 image's (tests/bench/bench_request
 
 1. On the 8-GPU demo inventory (with its MIG devices), for typical containers: Engine.plan
    (request parse -> selection -> edits, plus the release that follows) and plan + the
-   NRI ContainerAdjustment built and serialised; p50, p90 and p99 of single calls (p50
-   is the figure least disturbed by other load on the machine).
+   NRI ContainerAdjustment encoded (the bytes the daemon answers with); p50, p90 and
+   p99 of single calls (p50 is the figure least disturbed by other load on the machine).
 2. By node size: the same plan + adjustment on synthetic nodes of N GPUs (A100s, NVLink
    pairs, two NUMA nodes), for one GPU by id, counts of 1, N/2 and N (at most 256, the
    largest count a request may ask), and `all`; p50, p99 and max. Targets: p99 under
@@ -33,7 +33,7 @@ from nri_accel.config import Config, PolicyConfig
 from nri_accel.container import ContainerInfo
 from nri_accel.engine import Engine
 from nri_accel.inventory import Inventory
-from nri_accel.nri.adjust import build_adjustment
+from nri_accel.nri.adjust import encode_adjustment
 from nri_accel.syntax import MAX_IDS
 
 DEMO = Path(__file__).resolve().parents[2] / "nri_accel" / "demo" / "inventory.json"
@@ -117,7 +117,7 @@ def by_size(sizes: list[int], calls: int) -> None:
             def plan_and_adjust(i: int, infos: list[ContainerInfo] = infos,
                                 engine: Engine = engine) -> None:
                 p = engine.plan(infos[i % len(infos)])
-                build_adjustment(p.edits, p.annotations, p.cdi_devices).SerializeToString()
+                encode_adjustment(p.edits, p.annotations, p.cdi_devices, p.unset_env)
                 engine.release(infos[i % len(infos)].container_id)
 
             p50, p99, worst = measure(plan_and_adjust, n_calls, worst=True)
@@ -144,7 +144,7 @@ def main() -> None:
 
         def plan_and_adjust(i: int, infos: list[ContainerInfo] = infos) -> None:
             p = engine.plan(infos[i % len(infos)])
-            build_adjustment(p.edits, p.annotations, p.cdi_devices).SerializeToString()
+            encode_adjustment(p.edits, p.annotations, p.cdi_devices, p.unset_env)
             engine.release(infos[i % len(infos)].container_id)
 
         for stage, fn in (("plan (+release)", plan), ("plan + adjustment", plan_and_adjust)):

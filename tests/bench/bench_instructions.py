@@ -14,7 +14,7 @@ the figure is the same on a busy machine and a quiet one (round-trip times, whic
 bench_roundtrip.py prints, are not).
 
 Then the same for the hot path alone, in process: each container of bench_hotpath.py's
-CASES planned, its adjustment built and serialised, and released, --calls times and
+CASES planned, its adjustment encoded, and released, --calls times and
 none (after the same warm-up); the figure to compare two trees by (a refactor that
 claims "no slower"), where bench_hotpath.py's microseconds move with the load.
 """
@@ -56,14 +56,14 @@ from bench_hotpath import CASES, DEMO
 from nri_accel.config import Config, PolicyConfig
 from nri_accel.engine import Engine
 from nri_accel.inventory import Inventory
-from nri_accel.nri.adjust import build_adjustment
+from nri_accel.nri.adjust import encode_adjustment
 
 engine = Engine(Inventory.load(DEMO),
                 Config(policy=PolicyConfig("kubernetes", frozenset({{"research"}}))))
 make = CASES[sys.argv[1]]
 for i in range(200 + int(sys.argv[2])):
     p = engine.plan(make(f"c{{i}}"))
-    build_adjustment(p.edits, p.annotations, p.cdi_devices).SerializeToString()
+    encode_adjustment(p.edits, p.annotations, p.cdi_devices, p.unset_env)
     engine.release(f"c{{i}}")
 """
 

@@ -24,6 +24,7 @@ from nri_accel.container import ContainerInfo
 from nri_accel.engine import Engine
 from nri_accel.errors import PolicyError, RequestError
 from nri_accel.nri import convert
+from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import make_container, make_pod
 from nri_accel.nri.stub import _created
 from nri_accel.plugin import AccelPlugin
@@ -52,8 +53,8 @@ def create(accel: AccelPlugin, *, namespace: str = "sandbox", name: str = "main"
     ctr = make_container(pod, {"name": name, "env": env if env is not None else UNRELATED_ENV,
                                "annotations": annotations or {}, "id": cid})
     with capture_logs() as logs:
-        result = accel.create_container(pod, ctr)
-    return result, logs
+        encoded = accel.create_container(pod, ctr)  # the adjustment's bytes, or None
+    return None if encoded is None else pb.ContainerAdjustment.FromString(encoded), logs
 
 
 def infos(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:

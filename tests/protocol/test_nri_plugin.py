@@ -90,7 +90,8 @@ def test_create_container_plans_builds_and_logs_one_canonical_line() -> None:
     engine = FakeEngine()
     ctr = make_container(POD, {"name": "main", "env": ["A=1"], "annotations": ASKS})
     with capture_logs() as logs:
-        adj = AccelPlugin(engine).create_container(POD, ctr)  # type: ignore[arg-type]
+        adj = pb.ContainerAdjustment.FromString(
+            AccelPlugin(engine).create_container(POD, ctr))  # type: ignore[arg-type]
     assert [d.path for d in adj.linux.devices] == ["/dev/nvidia0"]
     assert dict(adj.annotations) == {"nri-accel.io/granted": "nvidia.com/gpu=0"}
     assert engine.infos[0].env == ("A=1",) and engine.infos[0].container_id == ctr.id

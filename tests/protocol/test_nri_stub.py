@@ -29,6 +29,7 @@ from nri_accel.nri.stub import (
     Identity,
     Stub,
     StubConfigError,
+    _created,
     backoff_delays,
     event_bit,
     resolve_identity,
@@ -473,3 +474,19 @@ async def test_shutdown_reaches_the_plugin(sock_path: str) -> None:
         await sim.wait_for_plugin()
         await sim.shutdown()
     assert plugin.down
+
+
+@pytest.mark.parametrize("env_bytes", [0, 100, 20_000, 3 << 20])  # 1-, 2-, 3-byte lengths
+@pytest.mark.parametrize("with_updates", [False, True])
+def test_an_encoded_adjustment_is_answered_as_the_message_would_be(
+    env_bytes: int, with_updates: bool,
+) -> None:
+    adjustment = adjust.build_adjustment(
+        ContainerEdits(env=(f"BIG={'x' * env_bytes}",),
+                       device_nodes=(DeviceNode("/dev/accel0", 240, 0),)), {"k": "v"})
+    updates = [pb.ContainerUpdate(container_id="other")] if with_updates else []
+    encoded = adjustment.SerializeToString(deterministic=True)
+    as_message = (adjustment, updates) if with_updates else adjustment
+    as_bytes = (encoded, updates) if with_updates else encoded
+    assert _created(as_bytes) == _created(as_message)
+    assert pb.CreateContainerResponse.FromString(_created(as_bytes)).adjust == adjustment
