@@ -1,7 +1,8 @@
 """Builds the NRI messages nri-accel answers with: THE place a ContainerAdjustment is made.
 
 Owns: ContainerEdits (+ annotations, CDI device names) -> nri_pb2.ContainerAdjustment,
-and the protobuf JSON rendering (`explain --json`). Imports nri_accel.inventory and
+as wire bytes (encode_adjustment: what the daemon answers with) or as a message
+(build_adjustment), and the protobuf JSON rendering (`explain --json`). Imports nri_accel.inventory and
 this package's nri_pb2; pure functions, no I/O.
 
 What the runtime does with an adjustment (containerd/nri pkg/adaptation and
