@@ -2,8 +2,8 @@
 
 Owns: ContainerEdits (+ annotations, CDI device names) -> nri_pb2.ContainerAdjustment,
 as wire bytes (encode_adjustment: what the daemon answers with) or as a message
-(build_adjustment), and the protobuf JSON rendering (`explain --json`). Imports nri_accel.inventory and
-this package's nri_pb2; pure functions, no I/O.
+(build_adjustment), and the protobuf JSON rendering (`explain --json`). Imports
+nri_accel.inventory and this package's nri_pb2; pure functions, no I/O.
 
 What the runtime does with an adjustment (containerd/nri pkg/adaptation and
 pkg/runtime-tools/generate, used by containerd and CRI-O alike), and so what this
