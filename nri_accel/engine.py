@@ -187,12 +187,6 @@ class Engine:
         with self._lock:
             return self.holdings.holds(container_id, pod, container_name)
 
-    def holder_mentioned(self, data: bytes) -> bool:
-        """Whether the encoded request `data` names a container or pod that holds a grant
-        (Holdings.mentioned_in): only such a create can replace a grant."""
-        with self._lock:
-            return self.holdings.mentioned_in(data)
-
     def commit(self, plan: Plan) -> None:
         """Record `plan`'s grant (replacing its container's earlier one, and that of an
         earlier container of the same pod and name). An empty container id is never

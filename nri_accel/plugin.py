@@ -17,10 +17,9 @@ nri_accel.nri (stub, adjust, convert).
 
 Most containers on a node ask for nothing: a CreateContainer whose pod and container
 carry no annotation key and no env entry the request parser reads, and whose creation
-replaces no grant, is answered empty at once. Where the request's bytes hold none of
-those prefixes and no holder's id, it is not even decoded (answers_nothing); otherwise
-it is read straight from the protobuf messages (no ContainerInfo, no parse) and logged
-at debug. Every other one gets the canonical info line, devices or not.
+replaces no grant, is answered empty at once, read straight from the protobuf messages
+(no ContainerInfo, no parse), and logged at debug; every other one gets the canonical
+info line, devices or not.
 
 Logs go to stderr, or to --log-file. A plugin the runtime launches itself
 (pre-registered: NRI_PLUGIN_SOCKET set) has stdout and stderr on /dev/null, so its
@@ -39,7 +38,6 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from logging import DEBUG
 from typing import Any
 
 from nri_accel import log as logging_setup
@@ -63,13 +61,6 @@ _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 MAX_ADJUSTMENT_BYTES = MAX_MESSAGE_SIZE - 1024
 
 log = logging_setup.get_logger(__name__)
-
-# What an encoded CreateContainerRequest holds if any annotation key or env entry in it
-# is one the request parser reads: the prefixes, as the UTF-8 bytes protobuf carries
-# strings in (one that contains another is left out: the shorter one finds it too).
-_READ_PREFIXES = {p.encode() for p in (*ANNOTATION_PREFIXES, *ENV_PREFIXES)}
-_READ_NEEDLES = tuple(sorted(n for n in _READ_PREFIXES
-                             if not any(m != n and m in n for m in _READ_PREFIXES)))
 
 
 class AccelPlugin:
@@ -108,22 +99,6 @@ class AccelPlugin:
         with self._timed("synchronize"):
             self.engine.restore(convert.live_containers(containers, pods, RESERVED_KEYS))
         self._on_change()
-
-    def answers_nothing(self, payload: bytes) -> bool:
-        """Whether the CreateContainer request `payload` (its bytes, not yet decoded)
-        certainly asks nothing and replaces no grant: none of the prefixes the request
-        parser reads, and no container id or pod of a recorded grant, appears anywhere
-        in it (each would, as its UTF-8 bytes). The stub then answers it empty without
-        decoding it: the cost of most containers on a node drops to a few byte
-        searches. What only looks like a request (a prefix inside a value) is decoded
-        and answered by create_container(). With debug logging on, every request is,
-        so that its debug line names the container."""
-        started = time.perf_counter_ns()
-        if (any(n in payload for n in _READ_NEEDLES) or self.engine.holder_mentioned(payload)
-                or log.is_enabled_for(DEBUG)):
-            return False
-        self._created.record(OK, (time.perf_counter_ns() - started) / 1e9)
-        return True
 
     def create_container(self, pod: Any, container: Any) -> Any:
         started = time.perf_counter_ns()

@@ -135,7 +135,6 @@ class Holdings:
     _whole: dict[str, str] = field(default_factory=dict)  # part key -> whole key
     _parts: dict[str, frozenset[str]] = field(default_factory=dict)  # whole -> part keys
     version: int = 0  # bumped on every change (the checkpoint writer's cue)
-    _traces: tuple[int, tuple[bytes, ...]] = (-1, ())  # (version, mentioned_in's needles)
 
     def set_parts(self, parts: Mapping[str, str]) -> None:
         """Which device is a part of which (part key -> whole key), for the rule in the
@@ -193,17 +192,6 @@ class Holdings:
         name)."""
         return container_id in self._grants or (
             bool(pod and container_name) and (pod, container_name) in self._by_name)
-
-    def mentioned_in(self, data: bytes) -> bool:
-        """Whether `data` (an encoded CreateContainerRequest) holds the container id or
-        the pod (uid, else sandbox id) of a recorded grant: a create that would replace
-        a grant (holds()) names one of them, so a request holding none replaces none."""
-        version, needles = self._traces
-        if version != self.version:
-            needles = tuple({t.encode() for g in self._grants.values()
-                             for t in (g.container_id, g.pod) if t})
-            self._traces = (self.version, needles)
-        return any(n in data for n in needles)
 
     def busy(self, grant: Grant) -> dict[str, str]:
         """Keys held exclusively by containers other than those `grant` replaces, and

@@ -22,8 +22,6 @@ iteration, which is the fastest way through):
     create_container(pod, container)
         -> ContainerAdjustment | (ContainerAdjustment, [ContainerUpdate]) | None
            (the adjustment as a message, or already encoded: bytes)
-    answers_nothing(payload) -> bool   (plain; consulted before a CreateContainer
-        request is decoded: True answers it empty, create_container is not called)
     update_container(pod, container, resources) -> list[ContainerUpdate] | None
     stop_container(pod, container) -> list[ContainerUpdate] | None
     post_create_container, start_container, post_start_container,
@@ -236,8 +234,6 @@ class Stub:
         self.events = 0  # mask the runtime was sent, once configured
         self.registrations = 0  # successful registrations so far
         self._handlers = _find_handlers(plugin)
-        skip = getattr(plugin, "answers_nothing", None)
-        self._answers_nothing: Callable[[bytes], bool] | None = skip if callable(skip) else None
         self.handled_events = _handled_mask(self._handlers)
         if not self.handled_events:
             raise StubConfigError(
@@ -488,12 +484,6 @@ class Stub:
         handler = self._handlers.get("create_container")
         if handler is None:
             return b""
-        if self._answers_nothing is not None:
-            try:
-                if self._answers_nothing(payload):
-                    return b""
-            except Exception as exc:
-                raise _as_ttrpc_error(exc, "CreateContainer") from exc
         req = _parse(pb.CreateContainerRequest, payload)
         return _call(handler, "CreateContainer", (req.pod, req.container), _created)
 

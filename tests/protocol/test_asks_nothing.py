@@ -11,15 +11,11 @@ small ones. The inventory is the built-in demo node (8 A100s, tests/demo_node.py
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import random
-from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 
 import pytest
-import structlog
 from demo_node import demo_inventory
 from structlog.testing import capture_logs
 
@@ -209,82 +205,3 @@ def test_what_the_fast_path_answers_empty_the_parser_would_have_asked_nothing_of
         assert not (plan.devices or plan.edits.env or plan.edits.device_nodes
                     or plan.edits.mounts or plan.annotations or plan.unset_env)
     assert asked_nothing > 100
-
-
-# ---- answered before decoding (AccelPlugin.answers_nothing) -----------------------------
-
-@contextlib.contextmanager
-def info_level() -> Iterator[None]:
-    """Debug lines off (with them on, every request is decoded, to be logged by id)."""
-    saved = structlog.get_config()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
-    try:
-        yield
-    finally:
-        structlog.configure(**saved)
-
-
-def request_bytes(pod: Any, ctr: Any) -> bytes:
-    return pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
-
-
-def test_undecoded_requests_are_answered_empty_only_when_decoding_would_answer_empty() -> None:
-    """Random containers over the keys and variables the families read, their near
-    misses, and values that hold them: whenever answers_nothing() says so from the bytes,
-    the decoded path (create_container) answers empty too, and refuses nothing."""
-    rng = random.Random(11)
-    accel = plugin("ml")
-    undecoded = 0
-    with info_level():
-        for i in range(2000):
-            pod = make_pod({"name": f"p{i}", "namespace": rng.choice(("ml", "sandbox")),
-                            "annotations": {rng.choice(KEYS): rng.choice(VALUES)
-                                            for _ in range(rng.randrange(3))}})
-            ctr = make_container(pod, {
-                "name": "main", "id": f"c{i}",
-                "annotations": {rng.choice(KEYS): rng.choice(VALUES)
-                                for _ in range(rng.randrange(3))},
-                "env": [rng.choice(ENV) for _ in range(rng.randrange(4))]})
-            skipped = accel.answers_nothing(request_bytes(pod, ctr))
-            try:
-                answered = accel.create_container(pod, ctr)
-            except RequestError:
-                answered = "refused"
-            if skipped:
-                undecoded += 1
-                assert answered is None, (dict(pod.annotations), dict(ctr.annotations),
-                                          list(ctr.env))
-    assert undecoded > 100
-
-
-def test_a_create_in_a_pod_holding_a_grant_is_decoded() -> None:
-    accel = plugin()
-    pod = make_pod({"name": "p", "namespace": "sandbox"})
-    held = make_container(pod, {"name": "main", "id": "first",
-                                "annotations": {"devices.nri-accel.io": "nvidia.com/gpu=0"}})
-    retry = make_container(pod, {"name": "main", "id": "second"})
-    other_pod = make_pod({"name": "q", "namespace": "sandbox"})
-    other = make_container(other_pod, {"name": "main", "id": "third"})
-    with info_level():
-        assert accel.answers_nothing(request_bytes(pod, retry))  # nothing held yet
-        assert not accel.answers_nothing(request_bytes(pod, held))
-        assert accel.create_container(pod, held) is not None
-        # Its pod now holds a grant: a create there may replace it, so it is decoded
-        # (and ends the old grant, as kubelet's retry must); another pod's is not.
-        assert not accel.answers_nothing(request_bytes(pod, retry))
-        assert accel.answers_nothing(request_bytes(other_pod, other))
-        accel.create_container(pod, retry)
-        assert accel.engine.holdings.get("first") is None
-        assert accel.answers_nothing(request_bytes(pod, retry))
-
-
-def test_with_debug_lines_on_every_request_is_decoded_and_logged_by_id() -> None:
-    accel = plugin()
-    pod = make_pod({"name": "p", "namespace": "sandbox"})
-    ctr = make_container(pod, {"name": "main", "id": "c1", "env": ["PATH=/bin"]})
-    with info_level():
-        assert accel.answers_nothing(request_bytes(pod, ctr))
-    assert not accel.answers_nothing(request_bytes(pod, ctr))  # all_logs: debug on
-    with capture_logs() as logs:
-        assert accel.create_container(pod, ctr) is None
-    assert [(e["event"], e["container_id"]) for e in logs] == [("container_created", "c1")]

@@ -490,30 +490,3 @@ def test_an_encoded_adjustment_is_answered_as_the_message_would_be(
     as_bytes = (encoded, updates) if with_updates else encoded
     assert _created(as_bytes) == _created(as_message)
     assert pb.CreateContainerResponse.FromString(_created(as_bytes)).adjust == adjustment
-
-
-async def test_a_request_the_plugin_answers_nothing_to_is_answered_empty_undecoded(
-    sock_path: str,
-) -> None:
-    class Skipping(Injector):
-        """answers_nothing() for pods named "skip-me" (searched in the raw bytes)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.created: list[str] = []
-
-        def answers_nothing(self, payload: bytes) -> bool:
-            return b"skip-me" in payload
-
-        def create_container(self, pod: Any, container: Any) -> Any:
-            self.created.append(pod.name)
-            return super().create_container(pod, container)
-
-    plugin = Skipping()
-    skipped = make_pod({"name": "skip-me"})
-    async with serving(plugin, sock_path) as (sim, _):
-        await sim.wait_for_plugin()
-        assert await sim.create_container(skipped, make_container(skipped, {"name": "c"})) \
-            == pb.CreateContainerResponse()
-        assert (await sim.create_container(POD, CTR)).adjust.linux.devices
-    assert plugin.created == [POD.name]
