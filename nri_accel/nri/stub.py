@@ -663,9 +663,11 @@ def _created(result: Any) -> bytes:
         # An encoded adjustment is the response's field 1 as it is: the bytes the
         # message would encode to, without decoding what was built once to encode it
         # again (a fifth of a 1-GPU create's time in the daemon).
-        rest = pb.CreateContainerResponse(update=updates or ())
-        return length_delimited(_RESPONSE_ADJUST, adjust) + rest.SerializeToString(
-            deterministic=True)
+        head = length_delimited(_RESPONSE_ADJUST, adjust)
+        if not updates:
+            return head
+        rest = pb.CreateContainerResponse(update=updates)
+        return head + rest.SerializeToString(deterministic=True)
     resp = pb.CreateContainerResponse(adjust=adjust, update=updates or ())
     return resp.SerializeToString(deterministic=True)
 
