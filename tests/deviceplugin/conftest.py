@@ -12,6 +12,7 @@ makes it unregister, go silent or vanish.
 `plugins`: starts DevicePlugins on a background asyncio loop, as `nri-accel
 device-plugin` runs it, with a 50 ms poll and `nri_side`'s state directory; stopped at
 teardown.
+`quiet_servers` (every test): the plugins' log lines are kept in memory, not printed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from nri_accel.config import Config, StaticDevice
 from nri_accel.container import ContainerInfo
@@ -138,6 +140,16 @@ def node_inventory(*, gpu0_healthy: bool = True, with_2g: bool = True,
             Device(KIND_NEURON, "1", aliases=("neuron1",), links=("0",), vendor="neuron"),
         ]
     return Inventory(devices=tuple(devices))
+
+
+@pytest.fixture(autouse=True)
+def quiet_servers() -> Iterator[None]:
+    """The device plugins' own threads log (registered, health changes) when they get
+    there, which may be while pytest is between a test's phases with its output capture
+    suspended: the lines would land in the progress output. No test here reads them;
+    they are kept in memory instead (a test may still capture_logs() itself)."""
+    with capture_logs():
+        yield
 
 
 @pytest.fixture
