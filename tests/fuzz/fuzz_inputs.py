@@ -41,6 +41,19 @@ _NASTY = ("", " ", ",", ";", "\n", "\t", "\x00", "\x1b", "\x85", "\u2028", "\ud8
 nasty_text = st.sampled_from(_NASTY)
 
 
+def json_paths(node: object, at: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    """Every path (keys and indices, from the root `at`) into a JSON-like document, the
+    root's own first: where a fuzz target swaps a value for a hostile one."""
+    out = [at]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += json_paths(v, (*at, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += json_paths(v, (*at, i))
+    return out
+
+
 def mixed(*strategies: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
     """One of `strategies`, or hostile text."""
     return st.one_of(*strategies, nasty_text, any_text)

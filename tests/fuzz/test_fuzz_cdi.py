@@ -31,6 +31,7 @@ from types import MappingProxyType
 
 import pytest
 import yaml
+from fuzz_inputs import json_paths
 from hypothesis import event, given
 from hypothesis import strategies as st
 
@@ -130,17 +131,6 @@ clean_spec = st.fixed_dictionaries({
 }, optional={"containerEdits": edits, "annotations": annotations})
 
 
-def _paths(node: object, at: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
-    out = [at]
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _paths(v, (*at, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _paths(v, (*at, i))
-    return out
-
-
 @st.composite
 def spec(draw: st.DrawFn) -> object:
     """A document in the CDI schema; half of them then damaged once or twice somewhere:
@@ -150,7 +140,7 @@ def spec(draw: st.DrawFn) -> object:
     for _ in range(draw(st.sampled_from((0, 0, 0, 1, 2)))):
         if draw(st.sampled_from(range(20))) == 0:
             return draw(junk)
-        at = draw(st.sampled_from(_paths(doc)[1:]))
+        at = draw(st.sampled_from(json_paths(doc)[1:]))
         parent: object = doc
         for step in at[:-1]:
             parent = parent[step]  # type: ignore[index]

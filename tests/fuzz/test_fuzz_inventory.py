@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 from demo_node import demo_inventory
+from fuzz_inputs import json_paths
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -57,19 +58,8 @@ def test_arbitrary_json(value: Any) -> None:
                      "devices": [{"kind": "a/b", "name": "0", "edits": value}]}))
 
 
-def _paths(node: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [at]
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out += _paths(v, (*at, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            out += _paths(v, (*at, i))
-    return out
-
-
 DEMO = demo_inventory().to_dict()
-DEMO_PATHS = _paths(DEMO)
+DEMO_PATHS = json_paths(DEMO)
 
 
 @st.composite
