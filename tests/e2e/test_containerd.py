@@ -131,14 +131,6 @@ def node(request: pytest.FixtureRequest, assets: Assets,
         yield n
 
 
-@pytest.fixture(autouse=True)
-def _logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Print both logs at teardown: pytest shows them only for a test that failed."""
-    yield
-    if "node" in request.fixturenames:
-        print(request.getfixturevalue("node").diagnose())
-
-
 @pytest.fixture(scope="module")
 def gpu_container(node: Node) -> tuple[str, dict[str, Any]]:
     """A pod asking for GPU 0 through its pod annotation; its container's id and the

@@ -174,14 +174,6 @@ def launched(request: pytest.FixtureRequest, assets: Assets,
         yield node
 
 
-@pytest.fixture(autouse=True)
-def _logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Print both logs at teardown: pytest shows them only for a test that failed."""
-    yield
-    if "launched" in request.fixturenames:
-        print(request.getfixturevalue("launched").diagnose())
-
-
 @pytest.fixture(scope="module")
 def holder(launched: Launched) -> tuple[str, Granted]:
     """A running container granted one GPU by count before any restart: its id and what
