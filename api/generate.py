@@ -19,6 +19,7 @@ API = Path(__file__).resolve().parent
 TARGETS: dict[str, tuple[str, bool]] = {
     "ttrpc.proto": ("nri_accel/ttrpc", False),
     "nri.proto": ("nri_accel/nri", False),
+    "nri_views.proto": ("nri_accel/nri", False),
     "deviceplugin.proto": ("nri_accel/deviceplugin", True),
 }
 

@@ -72,6 +72,8 @@ class AccelPlugin:
     REMOVE_CONTAINER). `on_change` is called after every change of the holdings (the
     checkpoint writer)."""
 
+    request_views = convert.REQUEST_VIEWS  # the stub decodes what convert reads, no more
+
     def __init__(self, engine: Engine, on_change: Any = None) -> None:
         self.engine = engine
         self._on_change = on_change or (lambda: None)

@@ -1,12 +1,14 @@
 """NRI protobuf pods and containers -> the plain data the pipeline works on.
 
-Owns: PodSandbox + Container -> nri_accel.container.ContainerInfo (container_info), the
-little of each pod and container of a Synchronize that is kept while its parts arrive
-(synced: SyncedPod, SyncedContainer), and the lean ContainerInfo of each live container
-of a Synchronize (live_containers), so that nothing outside nri_accel.nri reads a
-protobuf field. Imports nri_accel.container
-and this package's nri_pb2; pure functions, no trust decision (the policy decides which
-annotations are a container's own).
+Owns: the views the stub decodes the large requests as (REQUEST_VIEWS: what this
+module reads of them, api/nri_views.proto), PodSandbox + Container ->
+nri_accel.container.ContainerInfo (container_info), the little of each pod and
+container of a Synchronize that is kept while its parts arrive (synced: SyncedPod,
+SyncedContainer), and the lean ContainerInfo of each live container of a Synchronize
+(live_containers), so that nothing outside nri_accel.nri reads a protobuf field.
+Imports nri_accel.container and this package's nri_pb2 and nri_views_pb2; pure
+functions, no trust decision (the policy decides which annotations are a container's
+own).
 
 Large envs: an image or pod may define any number of variables (tens of thousands, a
 MiB), and testing them one by one from Python costs some 150-300 ns each, the most of a
@@ -36,14 +38,25 @@ from typing import Any
 
 from nri_accel.container import ContainerInfo
 from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri import nri_views_pb2 as views
 
 CRIO_METADATA = "io.kubernetes.cri-o.Metadata"
 _MAX_METADATA_CHARS = 4096
 LARGE_ENV = 1024
 """Entries from which an env is large (see the module docstring)."""
 
+Pod = pb.PodSandbox | views.PodSandbox
+Container = pb.Container | views.Container
+"""A pod or container of a CreateContainer: the full message, or its view."""
 
-def container_info(pod: pb.PodSandbox, container: pb.Container,
+REQUEST_VIEWS = {"CreateContainer": views.CreateContainerRequest,
+                 "Synchronize": views.SynchronizeRequest}
+"""The messages a plugin reading containers through this module has the stub decode
+its large requests as (the stub's `request_views`): every field container_info(),
+container_name(), mentions() and synced() read, and no other."""
+
+
+def container_info(pod: Pod, container: Container,
                    env: tuple[str, ...] | None = None) -> ContainerInfo:
     """What the request pipeline needs to know about a container being created; its
     env as container_env() gives it (by default the whole env)."""
@@ -62,7 +75,7 @@ def container_info(pod: pb.PodSandbox, container: pb.Container,
     )
 
 
-def container_env(container: pb.Container, scope: tuple[str, ...]) -> tuple[str, ...]:
+def container_env(container: Container, scope: tuple[str, ...]) -> tuple[str, ...]:
     """The container's env as the pipeline sees it: all of a small env; of a large one
     (over LARGE_ENV entries) only the entries starting with one of `scope`, all that
     its reader looks at (see the module docstring)."""
@@ -70,7 +83,7 @@ def container_env(container: pb.Container, scope: tuple[str, ...]) -> tuple[str,
     return tuple(env) if len(env) <= LARGE_ENV else env_entries(env, scope)
 
 
-def mentions(pod: pb.PodSandbox, container: pb.Container, key_prefixes: tuple[str, ...],
+def mentions(pod: Pod, container: Container, key_prefixes: tuple[str, ...],
              env: Iterable[str], env_prefixes: tuple[str, ...]) -> bool:
     """Whether the pod's or the container's annotations have a key starting with one of
     `key_prefixes`, or `env` (the container's, or what container_env() kept of it) an
@@ -128,7 +141,7 @@ def _common_start(texts: list[str]) -> str:
     return start
 
 
-def container_name(container: pb.Container) -> str:
+def container_name(container: Container | views.SyncedContainer) -> str:
     """The container's NRI name, else its CRI metadata name as CRI-O records it."""
     if container.name:
         return container.name
@@ -170,7 +183,8 @@ class SyncedContainer:
 _NO_ANNOTATIONS: Mapping[str, str] = MappingProxyType({})
 
 
-def synced(pods: Iterable[pb.PodSandbox], containers: Iterable[pb.Container],
+def synced(pods: Iterable[Pod],
+           containers: Iterable[pb.Container | views.SyncedContainer],
            keys: Iterable[str]) -> tuple[list[SyncedPod], list[SyncedContainer]]:
     """The pods and containers of (a part of) a Synchronize, each as the little
     live_containers() reads of it, with of their annotations only `keys`. A runtime

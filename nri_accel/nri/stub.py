@@ -36,11 +36,18 @@ returns is what the stub keeps and hands to synchronize() in place of the messag
 plugin that needs little of tens of thousands of containers keeps just that.
 
 Arguments and results are nri_pb2 messages (build them with nri.adjust and read
-them with nri.convert). The event mask sent in ConfigureResponse has a bit for each
-event handler the plugin defines; `state_change` stands in for the pure
-notifications (pod run/stop/remove/post-update, container post-create, start,
-post-start, post-update, remove) that have no handler of their own, whether they
-come as their own call or as the older StateChange call. The mask is never 0: the
+them with nri.convert). A plugin that reads little of a large request may say so
+with a `request_views` attribute, {"CreateContainer": type, "Synchronize": type}: the
+request's bytes are then decoded as that message, one of nri_views_pb2's, which
+declares only the fields it reads, and the handlers get its parts (the fields it
+leaves out are skipped undecoded: most of a container, 40 % of a typical create's
+decoding time and three quarters of a Synchronize's).
+
+The event mask sent in ConfigureResponse has a bit for each event handler the plugin
+defines; `state_change` stands in for the pure notifications (pod run/stop/remove/
+post-update, container post-create, start, post-start, post-update, remove) that have
+no handler of their own, whether they come as their own call or as the older
+StateChange call. The mask is never 0: the
 runtime reads 0 as "every event", which would make the plugin an adjustment
 validator. An exception in a handler becomes an error answer carrying its text (a
 refused container fails with that message); the stub keeps serving.
@@ -234,6 +241,9 @@ class Stub:
         self.events = 0  # mask the runtime was sent, once configured
         self.registrations = 0  # successful registrations so far
         self._handlers = _find_handlers(plugin)
+        views = getattr(plugin, "request_views", {})
+        self._create_request = views.get("CreateContainer", pb.CreateContainerRequest)
+        self._sync_request = views.get("Synchronize", pb.SynchronizeRequest)
         self.handled_events = _handled_mask(self._handlers)
         if not self.handled_events:
             raise StubConfigError(
@@ -450,7 +460,7 @@ class Stub:
             self._configured.set_exception(exc)
 
     def _synchronize(self, ctx: CallContext, payload: bytes) -> Answer:
-        req = _parse(pb.SynchronizeRequest, payload)
+        req = _parse(self._sync_request, payload)
         handler = self._handlers.get("synchronize")
         if handler is None:
             return pb.SynchronizeResponse(more=req.more).SerializeToString()
@@ -484,7 +494,7 @@ class Stub:
         handler = self._handlers.get("create_container")
         if handler is None:
             return b""
-        req = _parse(pb.CreateContainerRequest, payload)
+        req = _parse(self._create_request, payload)
         return _call(handler, "CreateContainer", (req.pod, req.container), _created)
 
     def _update_container(self, ctx: CallContext, payload: bytes) -> Answer:

@@ -1,0 +1,159 @@
+"""The request views (api/nri_views.proto): each field is nri.proto's, and a captured
+request decodes to the same values through its view as through the full message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from wire import CAPTURES, relay_conns, runtime_requests
+
+from nri_accel.nri import convert
+from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri import nri_views_pb2 as views
+from nri_accel.nri.simulator import make_container, make_pod
+from nri_accel.nri.stub import Identity, Stub
+from nri_accel.plugin import AccelPlugin
+
+# view message -> the nri.proto message it stands for (by default, the same name)
+STANDS_FOR = {"SyncedContainer": "Container"}
+FULL_REQUESTS = {"CreateContainer": pb.CreateContainerRequest,
+                 "Synchronize": pb.SynchronizeRequest}
+
+
+def _counterpart(view: Descriptor) -> Descriptor:
+    return pb.DESCRIPTOR.message_types_by_name[STANDS_FOR.get(view.name, view.name)]
+
+
+def _mismatches(view: Descriptor, full: Descriptor) -> list[str]:
+    """Every way a field of `view` differs from the same-named field of `full`."""
+    found = []
+    for field in view.fields:
+        theirs = full.fields_by_name.get(field.name)
+        where = f"{view.name}.{field.name}"
+        if theirs is None:
+            found.append(f"{where}: not a field of {full.name}")
+            continue
+        if field.number != theirs.number:
+            found.append(f"{where}: number {field.number}, nri.proto {theirs.number}")
+        if field.is_repeated != theirs.is_repeated:
+            found.append(f"{where}: repeated differs")
+        enum_as_int = (theirs.type == FieldDescriptor.TYPE_ENUM
+                       and field.type == FieldDescriptor.TYPE_INT32)
+        if field.type != theirs.type and not enum_as_int:
+            found.append(f"{where}: type {field.type}, nri.proto {theirs.type}")
+        if field.message_type is not None and theirs.message_type is not None:
+            if field.message_type.GetOptions().map_entry:
+                found += _mismatches(field.message_type, theirs.message_type)
+            elif _counterpart(field.message_type) is not theirs.message_type:
+                found.append(f"{where}: a {field.message_type.name}, nri.proto a "
+                             f"{theirs.message_type.name}")
+    return found
+
+
+def test_every_view_field_is_the_nri_field_of_that_name() -> None:
+    messages = list(views.DESCRIPTOR.message_types_by_name.values())
+    assert len(messages) == 8
+    assert [m for view in messages for m in _mismatches(view, _counterpart(view))] == []
+
+
+def test_a_view_field_unlike_nri_proto_is_found() -> None:
+    # the check above can fail: the view's Container read as if it stood for a pod
+    assert _mismatches(views.Container.DESCRIPTOR, pb.PodSandbox.DESCRIPTOR) == [
+        "Container.name: number 3, nri.proto 2",
+        "Container.env: not a field of PodSandbox",
+        "Container.mounts: not a field of PodSandbox",
+        "Container.linux: number 11, nri.proto 8",
+        "Container.linux: a LinuxContainer, nri.proto a LinuxPodSandbox",
+    ]
+
+
+def _same(view: Any, full: Any) -> list[str]:
+    """The declared fields of `view` whose values differ from `full`'s."""
+    differ = []
+    for field in view.DESCRIPTOR.fields:
+        mine, theirs = getattr(view, field.name), getattr(full, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            if dict(mine) != dict(theirs):
+                differ.append(field.name)
+        elif field.is_repeated and field.message_type is not None:
+            if len(mine) != len(theirs):
+                differ.append(field.name)
+            else:
+                differ += [d for m, t in zip(mine, theirs, strict=True) for d in _same(m, t)]
+        elif field.message_type is not None:
+            differ += _same(mine, theirs)
+        elif field.is_repeated:
+            if list(mine) != list(theirs):
+                differ.append(field.name)
+        elif mine != theirs:
+            differ.append(field.name)
+    return differ
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_captured_requests_read_the_same_through_their_views(nri_wire_dir: Path,
+                                                             capture: str) -> None:
+    checked = 0
+    for relay in relay_conns(nri_wire_dir, capture):
+        for _, method, payload in runtime_requests(nri_wire_dir, capture, relay):
+            if method in convert.REQUEST_VIEWS:
+                view = convert.REQUEST_VIEWS[method].FromString(payload)
+                full = FULL_REQUESTS[method].FromString(payload)
+                assert _same(view, full) == [], (capture, method)
+                checked += 1
+    assert checked
+
+
+def test_a_view_decodes_what_it_declares_and_skips_the_rest() -> None:
+    pod = make_pod({"name": "p", "annotations": {"a": "1"}, "labels": {"l": "x"}})
+    ctr = make_container(pod, {"name": "c", "env": ["A=1"], "args": ["sleep"],
+                               "mounts": [{"destination": "/d", "source": "/s"}],
+                               "linux": {"devices": [{"path": "/dev/fuse", "major": 10}]}})
+    payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+    view = views.CreateContainerRequest.FromString(payload)
+    assert (view.pod.name, dict(view.pod.annotations)) == ("p", {"a": "1"})
+    assert (view.container.name, list(view.container.env)) == ("c", ["A=1"])
+    assert [m.destination for m in view.container.mounts] == ["/d"]
+    assert [d.path for d in view.container.linux.devices] == ["/dev/fuse"]
+    assert not hasattr(view.container, "args") and not hasattr(view.pod, "labels")
+    # what it skipped is still there, as unknown fields: the bytes round-trip whole
+    assert pb.CreateContainerRequest.FromString(view.SerializeToString()) == \
+        pb.CreateContainerRequest.FromString(payload)
+
+
+class _Seen:
+    """A plugin recording the message types the stub hands it."""
+
+    def __init__(self, request_views: dict[str, Any] | None = None) -> None:
+        if request_views is not None:
+            self.request_views = request_views
+        self.types: list[str] = []
+
+    def create_container(self, pod: Any, container: Any) -> None:
+        self.types += [pod.DESCRIPTOR.full_name, container.DESCRIPTOR.full_name]
+
+    def synchronize(self, pods: Any, containers: Any) -> None:
+        self.types += [c.DESCRIPTOR.full_name for c in containers]
+
+
+def test_the_stub_decodes_as_the_plugin_asks_and_in_full_otherwise() -> None:
+    pod = make_pod({"name": "p"})
+    ctr = make_container(pod, {"name": "c"})
+    create = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+    sync = pb.SynchronizeRequest(pods=[pod], containers=[ctr]).SerializeToString()
+    for plugin, package, synced in ((_Seen(convert.REQUEST_VIEWS), "nri_accel.views.v1",
+                                     "SyncedContainer"),
+                                    (_Seen(), "nri.pkg.api.v1alpha1", "Container")):
+        stub = Stub(plugin, Identity("seen", "50"), socket_path="/nonexistent")
+        assert stub._create_container(None, create) == b""
+        stub._synchronize(None, sync)
+        assert plugin.types == [f"{package}.PodSandbox", f"{package}.Container",
+                                f"{package}.{synced}"]
+
+
+def test_the_daemon_reads_creates_and_synchronize_through_the_views() -> None:
+    assert AccelPlugin.request_views is convert.REQUEST_VIEWS
+    assert set(convert.REQUEST_VIEWS) == {"CreateContainer", "Synchronize"}
