@@ -187,6 +187,11 @@ class Engine:
         with self._lock:
             return self.holdings.holds(container_id, pod, container_name)
 
+    def held_containers(self) -> frozenset[str]:
+        """The ids of the containers the holdings record a grant of."""
+        with self._lock:
+            return frozenset(g.container_id for g in self.holdings.snapshot())
+
     def commit(self, plan: Plan) -> None:
         """Record `plan`'s grant (replacing its container's earlier one, and that of an
         earlier container of the same pod and name). An empty container id is never
@@ -223,20 +228,31 @@ class Engine:
 
     def restore(self, containers: Iterable[ContainerInfo]) -> None:
         """Replace the allocation state with what the running `containers` (from
-        Synchronize: the runtime's view of what runs is the truth) hold: each one's own
-        grant annotations, else what the holdings (the checkpoint) say it was granted;
-        a grant of a container not listed ends. Unreadable annotations are logged and
-        skipped: they never stop the plugin. Afterwards the state is known."""
+        Synchronize: the runtime's view of what runs is the truth) hold (grants_in);
+        a grant of a container not listed ends. Afterwards the state is known."""
+        self.restore_grants(self.grants_in(containers))
+
+    def grants_in(self, containers: Iterable[ContainerInfo]) -> list[Grant]:
+        """What the running `containers` hold: each one's own grant annotations, else
+        what the holdings (the checkpoint) say it was granted. Unreadable annotations
+        are logged and skipped: they never stop the plugin. Changes nothing."""
         grants = []
-        with self._lock:
-            before = {g.container_id: g for g in self.holdings.grants()}
         for info in containers:
-            grant = _read_grant(info) or before.get(info.container_id)
+            grant = _read_grant(info)
+            if grant is None:
+                with self._lock:
+                    grant = self.holdings.get(info.container_id)
             if grant is not None:
                 grants.append(grant)
+        return grants
+
+    def restore_grants(self, grants: list[Grant]) -> None:
+        """Make `grants` (grants_in() of every running container) the allocation
+        state, which is then known."""
         with self._lock:
+            before = {g.container_id for g in self.holdings.snapshot()}
             self.holdings.replace_all(grants, known=True)
-        dropped = before.keys() - {g.container_id for g in grants}
+        dropped = before - {g.container_id for g in grants}
         log.info("allocations_restored", containers=len(grants),
                  held=sum(len(g.exclusive) for g in grants),
                  released_not_running=len(dropped))

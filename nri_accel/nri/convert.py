@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from operator import methodcaller
@@ -185,17 +185,23 @@ _NO_ANNOTATIONS: Mapping[str, str] = MappingProxyType({})
 
 def synced(pods: Iterable[Pod],
            containers: Iterable[pb.Container | views.SyncedContainer],
-           keys: Iterable[str]) -> tuple[list[SyncedPod], list[SyncedContainer]]:
+           keys: Iterable[str], ids: Collection[str] | None = None,
+           ) -> tuple[list[SyncedPod], list[SyncedContainer]]:
     """The pods and containers of (a part of) a Synchronize, each as the little
-    live_containers() reads of it, with of their annotations only `keys`. A runtime
-    sends tens of thousands of containers over several requests: the protobuf messages
-    (some 3 KB each, with their env, mounts and resources) are not kept meanwhile."""
+    live_containers() reads of it, with of their annotations only `keys`; of the
+    containers, when `ids` is given, only those that carry one of `keys` or whose id
+    it lists. A runtime sends tens of thousands of containers over several requests:
+    the protobuf messages (some 3 KB each, with their env, mounts and resources) are
+    not kept meanwhile, nor a container the caller has no use for."""
     keys = tuple(keys)
     intern = sys.intern  # a pod's id and namespace recur in each of its containers
 
     def kept(annotations: Any) -> Mapping[str, str]:
         return {k: annotations[k] for k in keys if k in annotations} or _NO_ANNOTATIONS
 
+    if ids is not None:
+        containers = [c for c in containers
+                      if c.id in ids or any(k in c.annotations for k in keys)]
     return ([SyncedPod(intern(p.id), intern(p.namespace), p.name, p.uid,
                        kept(p.annotations)) for p in pods],
             [SyncedContainer(c.id, intern(c.pod_sandbox_id), container_name(c), c.state,

@@ -31,9 +31,10 @@ iteration, which is the fastest way through):
 
 A Synchronize may come in several parts (a runtime splits one over the 4 MiB message
 limit); the stub gathers them and calls synchronize() once, with every pod and container.
-keep_synchronized(), where defined, is called on each part as it arrives, and what it
-returns is what the stub keeps and hands to synchronize() in place of the messages: a
-plugin that needs little of tens of thousands of containers keeps just that.
+keep_synchronized(), where defined, is called on each part as it arrives, on SYNC_SLICE
+pods or containers at a time with the event loop free in between, and what it returns
+is what the stub keeps and hands to synchronize() in place of the messages: a plugin
+that needs little of tens of thousands of containers keeps just that.
 
 Arguments and results are nri_pb2 messages (build them with nri.adjust and read
 them with nri.convert). A plugin that reads little of a large request may say so
@@ -82,6 +83,10 @@ NRI_VERSION = "v0.12.0"
 ENV_PLUGIN_NAME = "NRI_PLUGIN_NAME"
 ENV_PLUGIN_IDX = "NRI_PLUGIN_IDX"
 ENV_PLUGIN_SOCKET = "NRI_PLUGIN_SOCKET"
+
+SYNC_SLICE = 250
+"""Pods or containers of a Synchronize part handed to keep_synchronized() at once: a
+few milliseconds of work, then the event loop runs."""
 
 DEFAULT_REGISTRATION_TIMEOUT = 5.0  # seconds, until Configure says otherwise
 DEFAULT_REQUEST_TIMEOUT = 2.0
@@ -253,6 +258,7 @@ class Stub:
             )
         self._sync_pods: list[Any] = []
         self._sync_containers: list[Any] = []
+        self._sync_listed = (0, 0)  # pods, containers the runtime listed so far
         self._configured: asyncio.Future[None] | None = None
         self._serving: asyncio.Task[int] | None = None  # run()'s work, while it runs
         self._stop_requested = False
@@ -363,7 +369,7 @@ class Stub:
         mux.attach(PLUGIN_SERVICE_CONN, plugin_ep.data_received, plugin_ep.connection_lost)
         mux.attach(RUNTIME_SERVICE_CONN, runtime_ep.data_received, runtime_ep.connection_lost)
         self._configured = loop.create_future()
-        self._sync_pods, self._sync_containers = [], []
+        self._sync_pods, self._sync_containers, self._sync_listed = [], [], (0, 0)
         if sock is not None:
             await loop.create_unix_connection(lambda: mux, sock=sock)
         else:
@@ -464,21 +470,42 @@ class Stub:
         handler = self._handlers.get("synchronize")
         if handler is None:
             return pb.SynchronizeResponse(more=req.more).SerializeToString()
-        more = req.more
+        self._sync_listed = (self._sync_listed[0] + len(req.pods),
+                             self._sync_listed[1] + len(req.containers))
         keep = self._handlers.get("keep_synchronized")
-        pods, containers = (req.pods, req.containers) if keep is None else keep(
-            req.pods, req.containers)
-        del req  # with a keep_synchronized, nothing of the message outlives this part
-        self._sync_pods.extend(pods)
-        self._sync_containers.extend(containers)
+        if keep is not None:
+            return self._keep_part(req, keep, handler)
+        self._sync_pods.extend(req.pods)
+        self._sync_containers.extend(req.containers)
+        return self._part_done(handler, req.more)
+
+    async def _keep_part(self, req: Any, keep: Callable[..., Any],
+                         handler: Callable[..., Any]) -> bytes:
+        """keep_synchronized() over the part `req`, SYNC_SLICE pods or containers at a
+        time, the event loop free in between (a 4 MiB part lists thousands)."""
+        pods, containers, more = req.pods, req.containers, req.more
+        for start in range(0, len(pods), SYNC_SLICE):
+            self._sync_pods.extend(keep(pods[start:start + SYNC_SLICE], [])[0])
+            await asyncio.sleep(0)
+        for start in range(0, len(containers), SYNC_SLICE):
+            self._sync_containers.extend(keep([], containers[start:start + SYNC_SLICE])[1])
+            await asyncio.sleep(0)
         if more:
             log.debug("sync_chunk", pods=len(pods), containers=len(containers))
+        answer = self._part_done(handler, more)
+        return answer if isinstance(answer, bytes) else await answer
+
+    def _part_done(self, handler: Callable[..., Any], more: bool) -> Answer:
+        """The answer to a Synchronize part: "more" to all but the last; to the last,
+        synchronize() over everything gathered."""
+        if more:
             return pb.SynchronizeResponse(more=True).SerializeToString()
         pods, containers = self._sync_pods, self._sync_containers
+        (listed_pods, listed_containers), self._sync_listed = self._sync_listed, (0, 0)
         self._sync_pods, self._sync_containers = [], []
 
         def answer(updates: Any) -> bytes:
-            log.info("synchronized", pods=len(pods), containers=len(containers))
+            log.info("synchronized", pods=listed_pods, containers=listed_containers)
             return pb.SynchronizeResponse(update=updates or ()).SerializeToString()
 
         return _call(handler, "Synchronize", (pods, containers), answer)

@@ -77,8 +77,8 @@ class Watching(AccelPlugin):
         super().remove_pod_sandbox(pod)
         self._step("remove pod")
 
-    def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
-        super().synchronize(pods, containers)
+    async def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
+        await super().synchronize(pods, containers)
         self._step("synchronize")
 
 

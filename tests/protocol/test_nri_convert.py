@@ -82,3 +82,15 @@ def test_make_pod_gives_stable_ids() -> None:
     a, b = make_pod({"name": "p", "namespace": "ns"}), make_pod({"name": "p", "namespace": "ns"})
     assert a.id == b.id and a.uid == b.uid and a.id != make_pod({"name": "q"}).id
     assert make_container(a, {"name": "c"}).pod_sandbox_id == a.id
+
+
+def test_synced_keeps_of_the_containers_those_with_a_key_or_a_listed_id() -> None:
+    pod = make_pod({"name": "p"})
+    granted = make_container(pod, {"name": "a", "annotations": {"nri-accel.io/granted": "x"}})
+    listed = make_container(pod, {"name": "b"})
+    other = make_container(pod, {"name": "c", "annotations": {"unrelated": "y"}})
+    keys = ["nri-accel.io/granted"]
+    pods, kept = convert.synced([pod], [granted, listed, other], keys, ids={listed.id})
+    assert [c.id for c in kept] == [granted.id, listed.id] and [p.id for p in pods] == [pod.id]
+    _, every = convert.synced([pod], [granted, listed, other], keys)
+    assert [c.id for c in every] == [granted.id, listed.id, other.id]

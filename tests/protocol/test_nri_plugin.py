@@ -18,7 +18,7 @@ from nri_accel.inventory import ContainerEdits, Device, DeviceNode
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import LEGACY_EVENTS, Simulator, make_container, make_pod
 from nri_accel.nri.stub import Identity, Stub, event_bit
-from nri_accel.plugin import AccelPlugin
+from nri_accel.plugin import RESTORE_SLICE, AccelPlugin
 from nri_accel.state import Grant
 from nri_accel.vendors.nvidia import KIND_GPU
 
@@ -50,6 +50,7 @@ class FakeEngine:
         self.committed: list[Any] = []
         self.released: list[str] = []
         self.restored: list[ContainerInfo] = []
+        self.restore_parts: list[int] = []
 
     def plan(self, info: ContainerInfo) -> Any:
         self.infos.append(info)
@@ -73,8 +74,17 @@ class FakeEngine:
         self.released.append(f"pod {pod_uid}")
         return ()
 
-    def restore(self, containers: Iterable[ContainerInfo]) -> None:
-        self.restored = list(containers)
+    def held_containers(self) -> frozenset[str]:
+        return frozenset()
+
+    def grants_in(self, containers: Iterable[ContainerInfo]) -> list[Grant]:
+        part = list(containers)
+        self.restore_parts.append(len(part))
+        self.restored += part
+        return []
+
+    def restore_grants(self, grants: list[Grant]) -> None:
+        assert grants == []
 
 
 POD = make_pod({"name": "pod0", "namespace": "ml"})
@@ -125,13 +135,32 @@ def test_a_bug_fails_the_container_with_a_readable_reason() -> None:
     assert isinstance(line["exc_info"], ZeroDivisionError)  # the traceback is kept
 
 
+def test_synchronize_restores_the_granted_containers_a_slice_at_a_time() -> None:
+    engine = FakeEngine()
+    granted = {"nri-accel.io/granted": "nvidia.com/gpu=0"}
+    containers = [make_container(POD, {"name": f"c{i}", "state": "CONTAINER_RUNNING",
+                                       "annotations": granted}) for i in range(250)]
+    turns = []
+
+    async def main() -> None:
+        accel = AccelPlugin(engine)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(accel.synchronize([POD], containers))
+        while not task.done():  # the loop gets a turn after each slice
+            turns.append(len(engine.restored))
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert engine.restore_parts == [RESTORE_SLICE, RESTORE_SLICE, 250 - 2 * RESTORE_SLICE]
+    assert set(turns) >= {RESTORE_SLICE, 2 * RESTORE_SLICE}
+
+
 def test_stop_and_remove_release_and_synchronize_restores_live_containers() -> None:
     engine = FakeEngine()
     accel = AccelPlugin(engine)  # type: ignore[arg-type]
     running = make_container(POD, {"name": "a", "state": "CONTAINER_RUNNING",
                                    "annotations": {"nri-accel.io/granted": "nvidia.com/gpu=0"}})
     stopped = make_container(POD, {"name": "b", "state": "CONTAINER_STOPPED"})
-    accel.synchronize([POD], [running, stopped])
+    asyncio.run(accel.synchronize([POD], [running, stopped]))
     assert [(c.container_id, dict(c.container_annotations)) for c in engine.restored] == [
         (running.id, {"nri-accel.io/granted": "nvidia.com/gpu=0"})]
     accel.stop_container(POD, running)

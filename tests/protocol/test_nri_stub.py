@@ -25,6 +25,7 @@ from nri_accel.nri.simulator import (
 from nri_accel.nri.stub import (
     BACKOFF_MAX,
     NOTIFICATIONS,
+    SYNC_SLICE,
     VALID_EVENTS,
     Identity,
     Stub,
@@ -401,6 +402,43 @@ async def test_a_split_synchronisation_hands_over_what_keep_synchronized_kept_of
         await sim.wait_for_plugin()
     assert sim.sync_splits >= 1 and plugin.parts > 1
     assert plugin.got == (list(sim.pods), list(sim.containers))
+
+
+async def test_keep_synchronized_takes_a_slice_at_a_time_and_the_loop_turns_between(
+    sock_path: str,
+) -> None:
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    class Slices(Injector):
+        """Notes each keep_synchronized() call: its size and the loop turns so far."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[int, int]] = []
+
+        def keep_synchronized(self, pods: Any, containers: Any) -> tuple[list[Any], list[Any]]:
+            self.calls.append((len(pods) + len(containers), turns))
+            return [p.id for p in pods], [c.id for c in containers]
+
+    plugin = Slices()
+    counter = asyncio.get_running_loop().create_task(count_turns())
+    try:
+        async with serving(plugin, sock_path) as (sim, _):
+            _big_state(sim, 1500)
+            await sim.wait_for_plugin()
+    finally:
+        counter.cancel()
+    sizes = [size for size, _ in plugin.calls]
+    assert sum(sizes) == 1501 and max(sizes) == SYNC_SLICE
+    seen = [at for _, at in plugin.calls]
+    assert all(a < b for a, b in itertools.pairwise(seen))  # the loop ran between any two
+    assert plugin.synced == [(1, 1500)]
 
 
 async def test_a_plugin_without_synchronize_still_passes_split_synchronisation(

@@ -127,7 +127,7 @@ async def test_an_unreadable_checkpoint_stays_unknown_across_restarts_until_sync
         assert held(engine) == {named_ctr.id: ("nvidia.com/gpu=2",)}
         assert json.loads((tmp_path / CHECKPOINT_FILE).read_text())["known"] is False
     # A Synchronize says what runs: the state is known from then on, and stays so.
-    accel.synchronize([named], [named_ctr])
+    await accel.synchronize([named], [named_ctr])
     await writer.flush()
     grants, known = Checkpoint(str(tmp_path), boot_id="boot-1").load()
     assert known and [g.container_id for g in grants] == [named_ctr.id]

@@ -3,6 +3,7 @@ daemon keeps and parses, and what it logs or sends back is printable and short."
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import re
 import tracemalloc
@@ -118,5 +119,5 @@ def test_synchronize_with_many_containers_and_junk_records() -> None:
     gpu2 = key(demo_inventory(), "nvidia.com/gpu=2")
     real = make_container(pod, {"name": "real", "state": "CONTAINER_RUNNING",
                                 "annotations": {ANNOTATION_GRANTED: gpu2}})
-    AccelPlugin(eng).synchronize([pod], [*containers, real])
+    asyncio.run(AccelPlugin(eng).synchronize([pod], [*containers, real]))
     assert held(eng) == {real.id: ("nvidia.com/gpu=2",)}

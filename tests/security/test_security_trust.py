@@ -4,6 +4,8 @@ mode outside trusted namespaces, only narrows, and cannot forge the allocator's 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from demo_node import demo_inventory
 from grants import admit, held, key
@@ -135,7 +137,7 @@ def _synchronize(eng: object, pod_annotations: dict[str, str],
     pod = make_pod({"name": "p", "namespace": "default", "annotations": pod_annotations})
     ctr = make_container(pod, {"name": "main", "state": "CONTAINER_RUNNING",
                                "annotations": ctr_annotations})
-    AccelPlugin(eng).synchronize([pod], [ctr])  # type: ignore[arg-type]
+    asyncio.run(AccelPlugin(eng).synchronize([pod], [ctr]))  # type: ignore[arg-type]
     return ctr.id
 
 
