@@ -16,7 +16,8 @@ request's time. Of a large env (over LARGE_ENV entries) container_env() keeps on
 entries that start with a prefix its caller reads, found by env_entries() in one string
 of the whole env joined with NUL: one str.find pass per group of prefixes, in C, then
 only the entries found are looked at. (NUL separates: no env entry holds one, the kernel
-could not pass it; an env that does is tested entry by entry.)
+could not pass it; an env that does is tested entry by entry.) env_parts() does the same
+a part at a time, for a caller that gives the event loop a turn between parts.
 
 Names: containerd names a container from its CRI metadata; CRI-O names it from the
 `io.kubernetes.container.name` label, so a container created without kubelet's labels
@@ -81,6 +82,21 @@ def container_env(container: Container, scope: tuple[str, ...]) -> tuple[str, ..
     its reader looks at (see the module docstring)."""
     env = container.env
     return tuple(env) if len(env) <= LARGE_ENV else env_entries(env, scope)
+
+
+def large_env(container: Container) -> bool:
+    """Whether the container's env is large (over LARGE_ENV entries)."""
+    return len(container.env) > LARGE_ENV
+
+
+def env_parts(container: Container, scope: tuple[str, ...],
+              size: int) -> Iterator[tuple[str, ...]]:
+    """container_env() in parts, for a caller that must not hold its thread (the event
+    loop) for the whole of a huge env: the entries starting with one of `scope` among
+    each `size` entries in turn."""
+    env = container.env
+    for start in range(0, len(env), size):
+        yield env_entries(env[start:start + size], scope)
 
 
 def mentions(pod: Pod, container: Container, key_prefixes: tuple[str, ...],

@@ -5,12 +5,14 @@ answered at once, empty, and logged at debug only (the fast path of
 AccelPlugin.create_container). Everything that does read as a request still takes the
 full path: a visibility variable in the env (rewritten to "void" where env may not
 grant), the annotations nri-accel refuses, and a container whose creation replaces a
-grant. Large envs (over convert.LARGE_ENV entries, searched as bytes first) behave as
-small ones. The inventory is the built-in demo node (8 A100s, tests/demo_node.py).
+grant. Large envs (over convert.LARGE_ENV entries, searched as one string, ENV_SLICE
+entries at a time with the event loop free in between) behave as small ones. The inventory is the built-in demo node (8 A100s, tests/demo_node.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import random
 from types import MappingProxyType
 from typing import Any
@@ -27,7 +29,7 @@ from nri_accel.nri import convert
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import make_container, make_pod
 from nri_accel.nri.stub import _created
-from nri_accel.plugin import AccelPlugin
+from nri_accel.plugin import ENV_SLICE, AccelPlugin
 from nri_accel.request import ANNOTATION_PREFIXES, ENV_PREFIXES, Parsed, parse
 
 pytestmark = pytest.mark.usefixtures("all_logs")  # tests/conftest.py: debug lines too
@@ -54,6 +56,8 @@ def create(accel: AccelPlugin, *, namespace: str = "sandbox", name: str = "main"
                                "annotations": annotations or {}, "id": cid})
     with capture_logs() as logs:
         encoded = accel.create_container(pod, ctr)  # the adjustment's bytes, or None
+        if inspect.iscoroutine(encoded):  # a large env: searched in parts, the loop free
+            encoded = asyncio.run(encoded)
     return None if encoded is None else pb.ContainerAdjustment.FromString(encoded), logs
 
 
@@ -90,6 +94,28 @@ def test_nvidia_visible_devices_all_in_an_untrusted_namespace_is_still_rewritten
     (line,) = infos(logs)
     assert line["event"] == "container_created" and line["devices"] == []
     assert "env NVIDIA_VISIBLE_DEVICES=all not granted" in line["notes"][0]
+
+
+def test_a_huge_env_is_searched_in_parts_with_the_event_loop_free_between() -> None:
+    # 2.5 parts of filler, then a request in the last: found, and the loop turned twice
+    env = [f"V{i}=x" for i in range(ENV_SLICE * 5 // 2)] + ["NVIDIA_VISIBLE_DEVICES=0"]
+    pod = make_pod({"name": "p", "namespace": "ml"})
+    ctr = make_container(pod, {"name": "main", "env": env})
+    accel = plugin("ml")
+    turns = 0
+
+    async def main() -> Any:
+        nonlocal turns
+        answer = asyncio.ensure_future(accel.create_container(pod, ctr))
+        while not answer.done():
+            turns += 1
+            await asyncio.sleep(0)
+        return answer.result()
+
+    result = pb.ContainerAdjustment.FromString(asyncio.run(main()))
+    assert turns == 1 + 3  # once before the create starts, then once after each part
+    assert [d.path for d in result.linux.devices if d.path.startswith("/dev/nvidia0")] == [
+        "/dev/nvidia0"]
 
 
 def test_a_cuda_image_in_a_trusted_namespace_gets_its_gpus() -> None:
