@@ -37,6 +37,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 
 from nri_accel.config import Config
@@ -165,7 +166,8 @@ class Engine:
                                shared_kinds=self._shared_kinds)
             exclusive = selection.exclusive
             grant = _grant(info, exclusive, selection.held - exclusive)
-            self.holdings.check(grant, _sources(selection.devices, selection.granted_by))
+            self.holdings.check(grant, partial(_source_of, selection.devices,
+                                               selection.granted_by))
         built = build_edits(selection, request, tables.catalog, container_env=info.env,
                             device_paths=info.device_paths,
                             mount_destinations=info.mount_destinations)
@@ -200,7 +202,7 @@ class Engine:
         if not plan.grant.container_id:
             return
         with self._lock:
-            self.holdings.check(plan.grant, _sources(plan.devices, plan.granted_by))
+            self.holdings.check(plan.grant, partial(_source_of, plan.devices, plan.granted_by))
             replaced = self.holdings.record(plan.grant)
         for g in replaced:
             if g.container_id != plan.grant.container_id:
@@ -265,9 +267,10 @@ def _grant(info: ContainerInfo, exclusive: frozenset[str] = frozenset(),
                  exclusive=exclusive, shared=shared)
 
 
-def _sources(devices: Iterable[Device], granted_by: Mapping[str, str]) -> dict[str, str]:
-    """Device.key -> what asked for the device (a held one's refusal names it)."""
-    return {d.key: granted_by.get(d.qualified_name, "") for d in devices}
+def _source_of(devices: Iterable[Device], granted_by: Mapping[str, str], key: str) -> str:
+    """What asked for the device of `key` among `devices` (a held one's refusal names
+    it)."""
+    return next((granted_by.get(d.qualified_name, "") for d in devices if d.key == key), "")
 
 
 def _parts(inventory: Inventory) -> dict[str, str]:

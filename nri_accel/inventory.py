@@ -137,6 +137,17 @@ class ContainerEdits:
     mounts: tuple[Mount, ...] = ()
     hooks: tuple[Hook, ...] = ()
     additional_gids: tuple[int, ...] = ()
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        # Edits are memo keys on the hot path (nri_accel.nri.adjust): the hash of their
+        # tuples, which calls every node's and mount's __hash__, is computed once.
+        h = self._hash
+        if not h:
+            h = hash((self.env, self.device_nodes, self.mounts, self.hooks,
+                      self.additional_gids)) or 1
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def __bool__(self) -> bool:
         return bool(

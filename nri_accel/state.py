@@ -216,10 +216,10 @@ class Holdings:
                              "synchronised yet): a count is refused rather than guessed; "
                              "named devices are still served", source=source)
 
-    def check(self, grant: Grant, sources: Mapping[str, str] | None = None) -> None:
+    def check(self, grant: Grant, source_of: Callable[[str], str] | None = None) -> None:
         """Refuse `grant` if it would take a device another container holds: the one
-        exclusivity rule. `sources`: key -> what asked for that device (the refusal
-        names the first conflicting device's)."""
+        exclusivity rule. `source_of(key)`: what asked for that device (the refusal
+        names the first conflicting device's; asked only then)."""
         holders = self._holders
         mine: frozenset[str] | None = None  # the grants `grant` replaces, once needed
         conflicts: dict[str, list[Grant]] = {}
@@ -241,7 +241,7 @@ class Holdings:
             raise AllocationError(f"{shown}: a device is granted to one running container "
                                   "at a time (share it through the device plugin's "
                                   "time-slicing replicas or devices.shared_kinds)",
-                                  source=(sources or {}).get(first, ""))
+                                  source=source_of(first) if source_of else "")
 
     # ---- changing ----------------------------------------------------------------------
 

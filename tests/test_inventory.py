@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -111,3 +112,15 @@ def test_bad_inventory_json_names_the_place(doc: str, fragment: str) -> None:
 def test_load_missing_file_names_it(tmp_path) -> None:
     with pytest.raises(InventoryError, match=r"nope\.json"):
         Inventory.load(tmp_path / "nope.json")
+
+
+def test_edits_hash_by_value_once_and_a_replaced_copy_hashes_anew() -> None:
+    node = DeviceNode("/dev/nvidia0", 195, 0)
+    a = ContainerEdits(env=("A=1",), device_nodes=(node,))
+    b = ContainerEdits(env=("A=1",), device_nodes=(DeviceNode("/dev/nvidia0", 195, 0),))
+    assert a == b and hash(a) == hash(b) == hash(a)  # the second hash(a): the cached one
+    changed = dataclasses.replace(a, env=("A=2",))
+    assert changed != a and hash(changed) == hash(ContainerEdits(env=("A=2",),
+                                                                 device_nodes=(node,)))
+    assert "_hash" not in json.dumps(Inventory(devices=(Device("k/x", "0", edits=a),))
+                                     .to_dict())
