@@ -6,7 +6,8 @@ AccelPlugin.create_container). Everything that does read as a request still take
 full path: a visibility variable in the env (rewritten to "void" where env may not
 grant), the annotations nri-accel refuses, and a container whose creation replaces a
 grant. Large envs (over convert.LARGE_ENV entries, searched as one string, ENV_SLICE
-entries at a time with the event loop free in between) behave as small ones. The inventory is the built-in demo node (8 A100s, tests/demo_node.py).
+entries at a time with the event loop free in between) behave as small ones. The
+inventory is the built-in demo node (8 A100s, tests/demo_node.py).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from nri_accel.edits import (
     RUNTIME_SOCKETS,
     UnsafeEdit,
     check_edits,
+    check_mount_source,
 )
 from nri_accel.errors import AllocationError, RequestError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Hook, Inventory, Mount
@@ -268,3 +269,25 @@ def test_request_ids_are_never_paths() -> None:
                   "vendor.com/../x=0", "nvidia.com/gpu=0/../../x"):
         with pytest.raises(RequestError):
             engine("standalone").plan(container(pod={"devices.nri-accel.io": value}))
+
+
+def _refused_by_the_rule(path: str) -> bool:
+    """The rule check_mount_source() states, root by root: under one or holding one."""
+    def under(p: str, root: str) -> bool:
+        return p == root or p.startswith(root.rstrip("/") + "/")
+    return any(under(path, r) or under(r, path) for r in FORBIDDEN_SOURCES)
+
+
+@pytest.mark.parametrize("path", sorted({
+    "/", "/usr", "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/var", "/var/lib", "/var/run",
+    "/run", "/etc", "/etc/kube", "/etc/kubernetes2", "/procfs", "/proc2/x", "/syslog",
+    "/var/lib/kubelet-plugins", "/run/nri-accel2", "/run/docker.sockets", "/rancher",
+    *FORBIDDEN_SOURCES, *(r + "/x" for r in FORBIDDEN_SOURCES),
+    *(r.rsplit("/", 1)[0] or "/" for r in FORBIDDEN_SOURCES)}))
+def test_the_mount_source_check_refuses_exactly_what_the_rule_says(path: str) -> None:
+    try:
+        check_mount_source(path)
+        refused = False
+    except UnsafeEdit:
+        refused = True
+    assert refused == _refused_by_the_rule(path)
