@@ -105,7 +105,10 @@ class AccelPlugin:
 
     async def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
         """Engine.restore over the running containers, RESTORE_SLICE at a time with the
-        event loop free in between (a node may run thousands of granted containers)."""
+        event loop free in between (a node may run thousands of granted containers).
+        Nothing else changes the holdings meanwhile: the runtime sends a plugin no event
+        until it has answered the Synchronize (NRI's adaptation adds it to the plugins it
+        calls only then)."""
         with self._timed("synchronize"):
             live = convert.live_containers(containers, pods, RESERVED_KEYS)
             grants = []
