@@ -5,7 +5,8 @@ Run: .venv/bin/python tests/bench/bench_hotpath.py [--calls N] [--sizes 1 8 64 5
 Prints microseconds per container, asserting nothing; no I/O happens inside the timed
 region. The container env is a real CUDA 12.4 image's (tests/bench/bench_request.py).
 
-1. On the 8-GPU demo inventory (with its MIG devices), for typical containers: Engine.plan
+1. On the 8-GPU demo inventory (with its MIG devices), for typical containers and a
+   whole-node grant (`nvidia.com/gpu=all`: 8 GPUs and 3 MIG devices): Engine.plan
    (request parse -> selection -> edits, plus the release that follows) and plan + the
    NRI ContainerAdjustment encoded (the bytes the daemon answers with); p50, p90 and
    p99 of single calls (p50 is the figure least disturbed by other load on the machine).
@@ -60,6 +61,8 @@ CASES: dict[str, Callable[[str], ContainerInfo]] = {
         cid, namespace="research",
         env=(*CUDA_ENV[:6], "NVIDIA_VISIBLE_DEVICES=MIG-5b2d7e9a-1f3c-5a8e-9d4b-7c0e2a6f1b98")),
     "no device (CUDA image, untrusted ns)": lambda cid: info(cid, namespace="sandbox"),
+    "whole node, gpu=all: 8 GPUs + 3 MIG (CDI)": lambda cid: info(
+        cid, annotations={"cdi.k8s.io/req": "nvidia.com/gpu=all"}),
 }
 
 
