@@ -373,6 +373,18 @@ def test_unmet_requirement_names_the_variable_and_the_device(index):
     assert "cuda>=12.6" in e.value.message
 
 
+def test_a_grant_checked_again_is_refused_or_granted_as_the_first_time(index):
+    # the second check of the same devices and requirements is answered from the memo
+    refused = request(grants=ids("2", "0", "1").grants, requirements=_requires("cuda>=12.6"))
+    granted = request(grants=ids("2", "0", "1").grants, requirements=_requires("cuda>=12.0"))
+    for _ in range(2):
+        with pytest.raises(RequestError) as e:
+            select(refused, index)
+        assert e.value.message.startswith("nvidia.com/gpu=0: ")  # the first in node order
+        assert e.value.source == "env NVIDIA_REQUIRE_CUDA"
+        assert names(select(granted, index)) == [f"nvidia.com/gpu={i}" for i in (0, 1, 2)]
+
+
 def test_mig_device_is_checked_with_its_parent_arch(index):
     req = request(grants=ids("7:0", kind=KIND_MIG).grants,
                   requirements=_requires("arch>=9.0", "NVIDIA_REQUIRE_ARCH"))

@@ -537,10 +537,19 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
         if failed is not None:
             raise RequestError(f"the driver: {failed[1]}", source=failed[0])
         return
-    for d in devices:
-        failed = _unsatisfied(index, reqs, texts, d)
-        if failed is not None:
-            raise RequestError(f"{d.qualified_name}: {failed[1]}", source=failed[0])
+    # A whole grant is looked up at once (a node's few grants recur), by its devices'
+    # identities in the index, which lives as long as the memo.
+    memo: dict[Any, Any] = index.memo(VENDOR)
+    key = (texts, tuple(map(id, devices)))
+    try:
+        failure = memo[key]
+    except KeyError:
+        failure = next(((d.qualified_name, *failed) for d in devices
+                        if (failed := _unsatisfied(index, reqs, texts, d)) is not None), None)
+        _remember(memo, key, failure)
+    if failure is not None:
+        name, source, why = failure
+        raise RequestError(f"{name}: {why}", source=source)
 
 
 _MEMO_SIZE = 4096  # requirement checks remembered per inventory before starting over
@@ -558,10 +567,14 @@ def _unsatisfied(index: Any, reqs: Requirements, texts: tuple[tuple[str, str], .
     except KeyError:
         pass
     result = reqs.unsatisfied(_facts(index, device))
+    _remember(memo, key, result)
+    return result
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
     if len(memo) >= _MEMO_SIZE:
         memo.clear()
-    memo[key] = result
-    return result
+    memo[key] = value
 
 
 def _facts(index: Any, device: Device | None) -> dict[str, str]:
