@@ -29,6 +29,7 @@ from typing import Any
 
 from bench_request import CUDA_ENV
 from bench_roundtrip import DEMO_INVENTORY, captured_request
+from loop_turns import held_while
 
 from nri_accel import log
 from nri_accel.config import Config
@@ -50,27 +51,15 @@ def payload(entries: int, tail: tuple[str, ...], annotations: dict[str, str]) ->
 async def served(serve: Any, raw: bytes) -> tuple[int, int]:
     """Nanoseconds `serve` took to answer `raw`, and the longest the event loop went
     without a turn meanwhile."""
-    longest = 0
-    done = False
 
-    async def turns() -> None:
-        nonlocal longest
-        last = time.perf_counter_ns()
-        while not done:
-            await asyncio.sleep(0)
-            now = time.perf_counter_ns()
-            longest, last = max(longest, now - last), now
+    async def answered() -> int:
+        t0 = time.perf_counter_ns()
+        answer = serve(None, raw)
+        if not isinstance(answer, bytes):
+            await answer
+        return time.perf_counter_ns() - t0
 
-    ticker = asyncio.create_task(turns())
-    await asyncio.sleep(0)
-    t0 = time.perf_counter_ns()
-    answer = serve(None, raw)
-    if not isinstance(answer, bytes):
-        await answer
-    elapsed = time.perf_counter_ns() - t0
-    done = True
-    await ticker
-    return elapsed, longest
+    return await held_while(answered())
 
 
 def main() -> int:

@@ -40,6 +40,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from bench_roundtrip import DEMO_INVENTORY, captured_request, daemon_command
+from loop_turns import held_while
 
 from nri_accel import log
 from nri_accel.config import Config, PolicyConfig
@@ -149,26 +150,15 @@ async def loop_held(containers: int) -> tuple[float, int]:
     payloads = parts(containers)
     gc.collect()
     gc.freeze()  # as `run` does once started: the collector leaves what start-up made
-    longest = 0.0
-    done = False
 
-    async def turns() -> None:
-        nonlocal longest
-        last = time.perf_counter()
-        while not done:
-            await asyncio.sleep(0)
-            now = time.perf_counter()
-            longest, last = max(longest, now - last), now
+    async def taken() -> None:
+        for payload in payloads:
+            answer = stub._synchronize(None, payload)
+            if not isinstance(answer, bytes):
+                await answer
 
-    ticker = asyncio.create_task(turns())
-    await asyncio.sleep(0)
-    for payload in payloads:
-        answer = stub._synchronize(None, payload)
-        if not isinstance(answer, bytes):
-            await answer
-    done = True
-    await ticker
-    return longest, len(payloads)
+    _, longest = await held_while(taken())
+    return longest / 1e9, len(payloads)
 
 
 def main() -> int:
