@@ -11,6 +11,8 @@ containers hold shapes the later plans.
 Properties:
 - bytes protobuf cannot decode raise DecodeError only (the stub answers those with
   INVALID_ARGUMENT); container_info never raises;
+- the request is decoded as the daemon decodes it, as its view (api/nri_views.proto);
+  where the whole message decodes too, it reads as the same container;
 - planning and building the answer raise only NriAccelError subclasses (never
   InternalError, the wrapper of a bug), with a `source` their text starts with;
 - a refused request changes no Engine state: the holdings and their version are as
@@ -32,7 +34,7 @@ from nri_accel.engine import Engine
 from nri_accel.errors import InternalError, NriAccelError
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.adjust import build_adjustment
-from nri_accel.nri.convert import container_info
+from nri_accel.nri.convert import REQUEST_VIEWS, container_info
 
 CONFIGS = {
     "kubernetes": Config(),
@@ -96,12 +98,18 @@ def damaged(draw: st.DrawFn, data: bytes) -> bytes:
 
 
 def create(eng: Engine, data: bytes) -> None:
-    """One CreateContainer as nri_accel.plugin serves it."""
+    """One CreateContainer as nri_accel.plugin serves it: decoded as its view."""
     try:
-        req = pb.CreateContainerRequest.FromString(data)
+        req = REQUEST_VIEWS["CreateContainer"].FromString(data)
     except DecodeError:
         return
     info = container_info(req.pod, req.container)
+    try:
+        full = pb.CreateContainerRequest.FromString(data)
+    except DecodeError:  # damage in a field the view skips: the daemon never reads it
+        pass
+    else:
+        assert container_info(full.pod, full.container) == info
     before = (eng.holdings.grants(), eng.holdings.version)
     try:
         plan = eng.plan(info)
