@@ -289,7 +289,8 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
     order = sorted(granted)
     devices = tuple([granted[p] for p in order])
     _check_families(request, index, devices, {
-        p for p in order if p in specific or vendor_of(granted[p].kind) in narrowed})
+        p for p in order
+        if p in specific or (narrowed and vendor_of(granted[p].kind) in narrowed)})
     keys = index.keys
     shared_keys = frozenset([
         keys[p] for p in order
