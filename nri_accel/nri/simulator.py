@@ -35,7 +35,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -182,14 +182,12 @@ class PluginConn:
         # chunk is those bytes joined (the message's own encoding, field by field), so
         # re-chunking re-encodes nothing. Building the messages again for each try cost
         # this Python runtime seconds on 60,000 containers, which Go's does not spend.
-        pods = [length_delimited(_SYNC_PODS, p.SerializeToString()) for p in self.sim.pods.values()]
-        ctrs = [length_delimited(_SYNC_CONTAINERS, c.SerializeToString())
-                for c in self.sim.containers.values()]
+        pods, ctrs = sync_fields(self.sim.pods.values(), self.sim.containers.values())
         per_pods, per_ctrs = len(pods), len(ctrs)
         deadline = time.monotonic() + self.sim.request_timeout
         while True:
             more = len(pods) > per_pods or len(ctrs) > per_ctrs
-            req = b"".join((*pods[:per_pods], *ctrs[:per_ctrs], _SYNC_MORE if more else b""))
+            req = sync_part(pods[:per_pods], ctrs[:per_ctrs], more)
             left = max(0.001, deadline - time.monotonic())
             try:
                 rsp = await self.call("Synchronize", req, pb.SynchronizeResponse,
@@ -212,6 +210,18 @@ class PluginConn:
 # more (3) a varint.
 _SYNC_PODS, _SYNC_CONTAINERS = 1, 2
 _SYNC_MORE = bytes([3 << 3, 1])  # field 3, varint: true
+
+
+def sync_fields(pods: Iterable[pb.PodSandbox], containers: Iterable[pb.Container]
+                ) -> tuple[list[bytes], list[bytes]]:
+    """Each pod and each container encoded once, as its SynchronizeRequest field."""
+    return ([length_delimited(_SYNC_PODS, p.SerializeToString()) for p in pods],
+            [length_delimited(_SYNC_CONTAINERS, c.SerializeToString()) for c in containers])
+
+
+def sync_part(pods: Sequence[bytes], containers: Sequence[bytes], more: bool) -> bytes:
+    """A SynchronizeRequest of sync_fields() encodings: the message's own encoding."""
+    return b"".join((*pods, *containers, _SYNC_MORE if more else b""))
 
 
 def _smaller_chunks(pods: int, ctrs: int, size: int) -> tuple[int, int]:

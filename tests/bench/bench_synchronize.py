@@ -47,8 +47,8 @@ from nri_accel.config import Config, PolicyConfig
 from nri_accel.engine import Engine
 from nri_accel.inventory import Inventory
 from nri_accel.nri import nri_pb2 as pb
-from nri_accel.nri.simulator import Simulator, make_pod
-from nri_accel.nri.stub import Identity, Stub, length_delimited
+from nri_accel.nri.simulator import Simulator, make_pod, sync_fields, sync_part
+from nri_accel.nri.stub import Identity, Stub
 from nri_accel.plugin import AccelPlugin
 from nri_accel.ttrpc import MAX_MESSAGE_SIZE
 
@@ -128,18 +128,16 @@ def parts(containers: int) -> list[bytes]:
     parts but the last say "more"."""
     held = SimpleNamespace(pods={}, containers={})
     fill(held, containers)
-    fields = [length_delimited(1, p.SerializeToString()) for p in held.pods.values()]
-    fields += [length_delimited(2, c.SerializeToString()) for c in held.containers.values()]
+    pods, ctrs = sync_fields(held.pods.values(), held.containers.values())
     out: list[list[bytes]] = [[]]
     size = 0
-    for f in fields:
+    for f in (*pods, *ctrs):
         if size + len(f) > MAX_MESSAGE_SIZE - 1024:
             out.append([])
             size = 0
         out[-1].append(f)
         size += len(f)
-    more = bytes([3 << 3, 1])  # field 3 (more), varint true
-    return [b"".join(p) + (more if i < len(out) - 1 else b"") for i, p in enumerate(out)]
+    return [sync_part(part, (), i < len(out) - 1) for i, part in enumerate(out)]
 
 
 async def loop_held(containers: int) -> tuple[float, int]:
