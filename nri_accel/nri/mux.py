@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Callable, Hashable
+from typing import cast
 
 from nri_accel.log import get_logger
 from nri_accel.ttrpc import HEADER_SIZE as TTRPC_HEADER_SIZE
@@ -215,7 +216,8 @@ class MuxProtocol(asyncio.BufferedProtocol):
     # ---- asyncio.Protocol -------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # Any loop's stream transport: uvloop's do not subclass asyncio.Transport.
+        transport = cast(asyncio.Transport, transport)
         self._transport = transport
         self._gate.connect(transport)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+from typing import cast
 
 from .endpoint import Endpoint, Services
 from .errors import Code, TtrpcError
@@ -51,7 +52,8 @@ class _EndpointProtocol(asyncio.BufferedProtocol):
         self.endpoint: Endpoint | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # Any loop's stream transport: uvloop's do not subclass asyncio.Transport.
+        transport = cast(asyncio.Transport, transport)
         self._gate.connect(transport)
         self.endpoint = Endpoint(transport.write, self._services, on_close=transport.abort)
         if self._on_made is not None:
