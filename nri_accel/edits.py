@@ -174,6 +174,8 @@ RUNTIME_ACCESS = frozenset("rw")
 NO_ACCESS = "none"  # CDI's keyword for a node with an empty cgroup rule (pkg/cdi)
 FORBIDDEN_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT"})
 MEMO_SIZE = 4096  # grants remembered per inventory before the memo starts over
+EDITS_MEMO_SIZE = 1024  # container edits remembered per inventory (per grant and env)
+EDITS_MEMO_CHARS = 4096  # the largest env added that they are remembered with
 LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
 # The longest "KEY=VALUE" string execve(2) accepts (MAX_ARG_STRLEN, 32 pages): a longer
 # LD_LIBRARY_PATH could not reach the container's process anyway, and extending one
@@ -205,6 +207,11 @@ class Catalog:
     # build()'s memo of the grant-dependent part of the edits, per grant.
     memo: dict[tuple[Any, ...], _Common] = field(default_factory=dict, compare=False,
                                                   repr=False)
+    # build()'s edits per grant and env added, of containers whose own devices and
+    # mounts replace none of the grant's: one object for all such containers, so that
+    # its hash (the adjustment memo's key, nri_accel.nri.adjust) is taken once.
+    edits: dict[tuple[Any, ...], ContainerEdits] = field(default_factory=dict,
+                                                         compare=False, repr=False)
 
 
 _UNCHECKED = Checked(refused="the device is not in the catalog of this inventory")
@@ -438,6 +445,8 @@ class _Common:
     lib_dirs: tuple[str, ...]
     notes: tuple[str, ...]
     facts: tuple[tuple[str, str], ...]
+    node_paths: frozenset[str]  # the nodes' paths (a container's own device replaces one)
+    mount_paths: frozenset[str]  # the mounts' container paths (as its own mount does)
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,18 +487,23 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
     for k, v in common.defaults:
         if k not in own_env:
             env[k] = v
+    added = tuple(f"{k}={v}" for k, v in sorted(env.items()) if own_env.get(k) != v)
     nodes, mounts = common.nodes, common.mounts
-    if device_paths:
+    if not device_paths.isdisjoint(common.node_paths):
         nodes = tuple(n for n in nodes if n.path not in device_paths)
-    if mount_destinations:
+    if not mount_destinations.isdisjoint(common.mount_paths):
         mounts = tuple(m for m in mounts if m.container_path not in mount_destinations)
-    edits = ContainerEdits(
-        env=tuple(f"{k}={v}" for k, v in sorted(env.items()) if own_env.get(k) != v),
-        device_nodes=nodes,
-        mounts=mounts,
-        hooks=common.hooks,
-        additional_gids=common.gids,
-    )
+    # The memo keeps edits whose env is small: at most EDITS_MEMO_SIZE * EDITS_MEMO_CHARS.
+    memo_key = ((key, added) if nodes is common.nodes and mounts is common.mounts
+                and sum(map(len, added)) <= EDITS_MEMO_CHARS else None)
+    edits = catalog.edits.get(memo_key) if memo_key else None
+    if edits is None:
+        edits = ContainerEdits(env=added, device_nodes=nodes, mounts=mounts,
+                               hooks=common.hooks, additional_gids=common.gids)
+        if memo_key:
+            if len(catalog.edits) >= EDITS_MEMO_SIZE:
+                catalog.edits.clear()
+            catalog.edits[memo_key] = edits
     return Built(edits, tuple(k for k in common.unset if k in own_env), common.notes,
                  common.facts)
 
@@ -553,6 +567,8 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
     return _Common(
         nodes=tuple(sorted(merged.device_nodes, key=lambda n: natural_key(n.path))),
         mounts=tuple(sorted(merged.mounts, key=lambda m: m.container_path)),
+        node_paths=frozenset(n.path for n in merged.device_nodes),
+        mount_paths=frozenset(m.container_path for m in merged.mounts),
         hooks=hooks,
         gids=tuple(sorted(merged.additional_gids)),
         env=tuple(sorted(env.items())),

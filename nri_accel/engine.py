@@ -77,6 +77,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     facts: tuple[tuple[str, str], ...] = ()  # per family ("capabilities", ...)
     granted_by: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    checked_at: int = -1  # Holdings.version when plan() checked the grant
 
     @property
     def qualified_names(self) -> tuple[str, ...]:
@@ -168,6 +169,7 @@ class Engine:
             grant = _grant(info, exclusive, selection.held - exclusive)
             self.holdings.check(grant, partial(_source_of, selection.devices,
                                                selection.granted_by))
+            checked_at = self.holdings.version
         built = build_edits(selection, request, tables.catalog, container_env=info.env,
                             device_paths=info.device_paths,
                             mount_destinations=info.mount_destinations)
@@ -181,6 +183,7 @@ class Engine:
             notes=(*request.notes, *selection.notes, *built.notes),
             facts=built.facts,
             granted_by=selection.granted_by,
+            checked_at=checked_at,
         )
 
     def holds(self, container_id: str, pod: str, container_name: str) -> bool:
@@ -198,11 +201,14 @@ class Engine:
         """Record `plan`'s grant (replacing its container's earlier one, and that of an
         earlier container of the same pod and name). An empty container id is never
         recorded. Raises AllocationError if, since plan(), another container took one
-        of its devices."""
+        of its devices (checked again only if the holdings changed since: the daemon
+        commits right after planning, the device plugin's threads may come between)."""
         if not plan.grant.container_id:
             return
         with self._lock:
-            self.holdings.check(plan.grant, partial(_source_of, plan.devices, plan.granted_by))
+            if self.holdings.version != plan.checked_at:
+                self.holdings.check(plan.grant,
+                                    partial(_source_of, plan.devices, plan.granted_by))
             replaced = self.holdings.record(plan.grant)
         for g in replaced:
             if g.container_id != plan.grant.container_id:

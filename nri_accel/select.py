@@ -101,13 +101,14 @@ class DeviceIndex:
     """
 
     __slots__ = ("_all", "_choices", "_countable", "_describe", "_members", "_memos", "_pci",
-                 "_pos", "by_key", "devices", "inventory", "keys", "topology")
+                 "_pos", "by_key", "devices", "inventory", "keys", "names", "topology")
 
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
         devices = inventory.devices
         self.devices = devices
-        self.keys = tuple(d.key for d in devices)
+        self.keys = tuple(d.key for d in devices)  # each position's Device.key
+        self.names = tuple(d.qualified_name for d in devices)  # and qualified name
         self.by_key = MappingProxyType(dict(zip(self.keys, devices, strict=True)))
         # Keyed by identity: these Device objects are the inventory's own, kept alive by it.
         self._pos = MappingProxyType({id(d): i for i, d in enumerate(devices)})
@@ -122,7 +123,7 @@ class DeviceIndex:
                 if key is not None:
                     pci.setdefault((d.kind, key), d)
         self._pci = MappingProxyType(pci)
-        all_: dict[str, tuple[Device, ...]] = {}
+        all_: dict[str, tuple[int, ...]] = {}
         countable: dict[str, tuple[int, ...]] = {}
         for kind in inventory.kinds():
             family = family_of(kind)
@@ -130,8 +131,8 @@ class DeviceIndex:
             countable[kind] = tuple(self._pos[id(d)] for d in of_kind
                                     if d.healthy and family.countable(d))
         for kind in {*inventory.kinds(), *members}:
-            all_[kind] = tuple(d for k in self.members(kind) for d in inventory.of_kind(k)
-                               if d.healthy)
+            all_[kind] = tuple(self._pos[id(d)] for k in self.members(kind)
+                               for d in inventory.of_kind(k) if d.healthy)
         self._all = MappingProxyType(all_)
         self._countable = MappingProxyType(countable)
         # Links restricted to same-kind devices that exist (Topology makes them symmetric).
@@ -158,8 +159,8 @@ class DeviceIndex:
         """Positions of the devices of `kind` a count may choose."""
         return self._countable.get(kind, ())
 
-    def all_of(self, kind: str) -> tuple[Device, ...]:
-        """Every healthy device `all` means for `kind`."""
+    def all_of(self, kind: str) -> tuple[int, ...]:
+        """Positions of every healthy device `all` means for `kind`."""
         return self._all.get(kind, ())
 
     def choose(self, free: tuple[int, ...], count: int) -> tuple[int, ...]:
@@ -243,12 +244,11 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
                 passthrough.setdefault(index.position(d), d)
             continue
         if claim.all:
-            devs = index.all_of(claim.kind)
-            if not devs:
+            everything = index.all_of(claim.kind)
+            if not everything:
                 notes.append(f"{claim.source}: no healthy {claim.kind} devices on this node")
-            for d in devs:
-                pos = index.position(d)
-                granted.setdefault(pos, d)
+            for pos in everything:
+                granted.setdefault(pos, index.devices[pos])
                 by.setdefault(pos, claim.source)
         elif claim.ids:
             options = request.option(family_of(claim.kind).name)
@@ -273,9 +273,8 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
             counts.append(claim)
 
     for claim in counts:
-        for d in _allocate(index, claim, busy, granted):
-            pos = index.position(d)
-            granted[pos] = d
+        for pos in _allocate(index, claim, busy, granted):
+            granted[pos] = index.devices[pos]
             specific.add(pos)
             by[pos] = f"{claim.source} (count)"
 
@@ -288,7 +287,7 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
 
     order = sorted(granted)
     devices = tuple([granted[p] for p in order])
-    _check_families(request, index, devices, {
+    _check_families(request, index, granted, order, {
         p for p in order
         if p in specific or (narrowed and vendor_of(granted[p].kind) in narrowed)})
     keys = index.keys
@@ -308,7 +307,7 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
         cdi_devices=request.cdi_names if cdi_passthrough else (),
         passthrough=held_passthrough,
         notes=tuple(notes),
-        granted_by=MappingProxyType({index.devices[p].qualified_name: by[p] for p in order}),
+        granted_by=MappingProxyType({index.names[p]: by[p] for p in order}),
     )
 
 
@@ -324,7 +323,7 @@ def _resolve_known(index: DeviceIndex, claim: DeviceClaim,
     """The devices of this node a passed-through CDI claim names; a name this node's
     inventory does not have is the runtime's to resolve, and is not tracked (noted)."""
     if claim.all:
-        return [(d, False) for d in index.all_of(claim.kind)]
+        return [(index.devices[p], False) for p in index.all_of(claim.kind)]
     out = []
     for ident in claim.ids:
         d, replica = index.resolve(claim.kind, ident)
@@ -336,29 +335,34 @@ def _resolve_known(index: DeviceIndex, claim: DeviceClaim,
     return out
 
 
-def _check_families(request: Request, index: DeviceIndex, devices: tuple[Device, ...],
-                    specific: set[int]) -> None:
-    """Each family's rules over its part of the selection: for every family with a
-    device granted, or asked for its driver alone."""
-    by_family: dict[str, list[Device]] = {}
-    for d in devices:
-        by_family.setdefault(family_of(d.kind).name, []).append(d)
+def _check_families(request: Request, index: DeviceIndex, granted: Mapping[int, Device],
+                    order: list[int], specific: set[int]) -> None:
+    """Each family's rules over its part of the selection (the devices `granted`, at
+    the positions `order`; those at `specific` named or counted): for every family with
+    a device granted, or asked for its driver alone."""
+    by_family: dict[str, tuple[list[Device], list[Device]]] = {}
+    for p in order:
+        d = granted[p]
+        mine, named = by_family.setdefault(family_of(d.kind).name, ([], []))
+        mine.append(d)
+        if p in specific:
+            named.append(d)
     for profile in PROFILES:
-        mine = by_family.get(profile.name)
-        if mine is None:
+        found = by_family.get(profile.name)
+        if found is None:
             if not (request.drivers_only and profile.kinds
                     and vendor_of(profile.kinds[0]) in request.drivers_only):
                 continue
-            mine = []
-        profile.check(mine, [d for d in mine if index.position(d) in specific],
-                      request.option(profile.name), index)
+            found = ([], [])
+        profile.check(*found, request.option(profile.name), index)
 
 
 # ---- the allocator -------------------------------------------------------------------
 
 
 def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Mapping[str, str],
-              granted: Mapping[int, Device]) -> tuple[Device, ...]:
+              granted: Mapping[int, Device]) -> tuple[int, ...]:
+    """Positions of the `claim.count` devices a count gets, or AllocationError."""
     count = claim.count or 0
     if count <= 0:
         return ()
@@ -380,7 +384,7 @@ def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Mapping[str, str],
             f"(free: {free_names}; held: {_capped(held) or 'none'}; "
             f"unhealthy: {_capped(sick) or 'none'}; the others are not countable or "
             "granted to this container already)", source=claim.source)
-    return tuple([index.devices[p] for p in index.choose(free, count)])
+    return index.choose(free, count)
 
 
 def _capped(items: list[str]) -> str:

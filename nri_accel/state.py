@@ -134,17 +134,23 @@ class Holdings:
     _by_name: dict[tuple[str, str], str] = field(default_factory=dict)  # (pod, name) -> id
     _whole: dict[str, str] = field(default_factory=dict)  # part key -> whole key
     _parts: dict[str, frozenset[str]] = field(default_factory=dict)  # whole -> part keys
-    version: int = 0  # bumped on every change (the checkpoint writer's cue)
+    _kin: dict[str, frozenset[str]] = field(default_factory=dict)  # key -> its whole + parts
+    version: int = 0  # bumped on every change: a check() made at this version holds
 
     def set_parts(self, parts: Mapping[str, str]) -> None:
         """Which device is a part of which (part key -> whole key), for the rule in the
         module docstring: set from each inventory (the Engine does), kept apart from the
         grants, which name devices only by key."""
         wholes: dict[str, set[str]] = {}
+        kin: dict[str, set[str]] = {}
         for part, whole in parts.items():
             wholes.setdefault(whole, set()).add(part)
+            kin.setdefault(part, set()).add(whole)
+            kin.setdefault(whole, set()).add(part)
         self._whole = dict(parts)
         self._parts = {w: frozenset(p) for w, p in wholes.items()}
+        self._kin = {k: frozenset(v) for k, v in kin.items()}
+        self.version += 1
 
     def _related(self, key: str) -> list[tuple[str, str]]:
         """(key, relation) of `key` itself (""), its whole ("device") and its parts
@@ -221,6 +227,9 @@ class Holdings:
         exclusivity rule. `source_of(key)`: what asked for that device (the refusal
         names the first conflicting device's; asked only then)."""
         holders = self._holders
+        if not any(key in holders or not holders.keys().isdisjoint(self._kin.get(key, ()))
+                   for key in grant.exclusive):
+            return  # most grants: no key, whole or part of theirs is held by anyone
         mine: frozenset[str] | None = None  # the grants `grant` replaces, once needed
         conflicts: dict[str, list[Grant]] = {}
         first = ""

@@ -115,6 +115,21 @@ def test_a_named_device_held_by_a_count_is_refused_naming_the_holder():
     assert held(engine) == {"t": (gpu.qualified_name,)}
 
 
+def test_a_commit_after_another_took_the_device_since_its_plan_is_refused():
+    # The device plugin's threads may commit between the daemon's plan and commit.
+    engine = Engine(demo_inventory(), standalone())
+    first = engine.plan(allocated("nvidia.com/gpu=0", cid="a"))
+    second = engine.plan(allocated("nvidia.com/gpu=0", cid="b"))
+    engine.commit(first)
+    with pytest.raises(AllocationError, match=r"nvidia\.com/gpu=GPU-\S+ is held by .*\(id a\)"):
+        engine.commit(second)
+    assert held(engine) == {"a": ("nvidia.com/gpu=0",)}
+    later = engine.plan(allocated("nvidia.com/gpu=1", cid="c"))
+    engine.release("a")  # a change that frees, not takes: the commit still goes through
+    engine.commit(later)
+    assert held(engine) == {"c": ("nvidia.com/gpu=1",)}
+
+
 def test_time_sliced_replicas_and_shared_kinds_may_be_granted_to_several_containers():
     engine = Engine(demo_inventory(), kubernetes())
     uuid = demo_inventory().find(KIND_GPU, "2").uuid

@@ -16,7 +16,7 @@ from engine_testing import (
 )
 
 from nri_accel.config import DevicesConfig
-from nri_accel.edits import HOOK_ENV, build, check_edits, compile_catalog
+from nri_accel.edits import EDITS_MEMO_SIZE, HOOK_ENV, build, check_edits, compile_catalog
 from nri_accel.errors import AllocationError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Hook, Inventory, Mount
 from nri_accel.policy import Request
@@ -279,6 +279,29 @@ def test_nodes_and_mounts_already_in_the_spec_are_not_emitted_again():
     assert "/dev/nvidia0" not in paths and "/dev/nvidiactl" not in paths
     assert "/dev/nvidia-uvm" in paths
     assert "/usr/bin/nvidia-smi" not in {m.container_path for m in edits.mounts}
+
+
+def test_containers_through_one_catalog_each_get_their_own_edits():
+    # The edits of a grant are remembered per catalog, and per container env: what one
+    # container has or sets never leaks into the next one's.
+    inv = demo_inventory()
+    catalog, req = compile_catalog(inv, DevicesConfig()), gpu_ids("0")
+    sel = select(req, DeviceIndex(inv))
+
+    def edits(**kw) -> ContainerEdits:
+        return build(sel, req, catalog, **kw).edits
+
+    plain = edits()
+    own = edits(device_paths=frozenset({"/dev/nvidia0"}),
+                mount_destinations=frozenset({"/usr/bin/nvidia-smi"}))
+    assert "/dev/nvidia0" not in {n.path for n in own.device_nodes}
+    assert "/usr/bin/nvidia-smi" not in {m.container_path for m in own.mounts}
+    assert edits() == plain and "/dev/nvidia0" in {n.path for n in plain.device_nodes}
+    more = range(EDITS_MEMO_SIZE + 2)  # than are remembered
+    libs = [edits(container_env=(f"LD_LIBRARY_PATH=/opt/lib{i}",)) for i in more]
+    assert [env_of(e)["LD_LIBRARY_PATH"] for e in libs] == [f"/opt/lib{i}:{LIB64}" for i in more]
+    assert all(e.device_nodes == plain.device_nodes for e in libs)
+    assert edits() == plain
 
 
 def test_output_is_deterministic_and_deduplicated():

@@ -46,6 +46,16 @@ def test_cores_of_one_device_go_to_different_containers() -> None:
                             "b": ("aws.amazon.com/neuroncore=1",)}
 
 
+def test_a_whole_device_committed_after_a_core_was_taken_since_its_plan_is_refused() -> None:
+    engine = Engine(neuron_node(), standalone())
+    whole = engine.plan(asks("aws.amazon.com/neuron=0", "b"))
+    admit(engine, asks("aws.amazon.com/neuroncore=1", "a"))
+    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuron=0 \(its part "
+                                              r"aws\.amazon\.com/neuroncore=1\) is held by"):
+        engine.commit(whole)
+    assert held(engine) == {"a": ("aws.amazon.com/neuroncore=1",)}
+
+
 def test_a_whole_device_is_refused_while_another_container_holds_a_core() -> None:
     engine = Engine(neuron_node(), standalone())
     admit(engine, asks("aws.amazon.com/neuroncore=1", "a"))
