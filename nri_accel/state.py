@@ -134,7 +134,6 @@ class Holdings:
     _by_name: dict[tuple[str, str], str] = field(default_factory=dict)  # (pod, name) -> id
     _whole: dict[str, str] = field(default_factory=dict)  # part key -> whole key
     _parts: dict[str, frozenset[str]] = field(default_factory=dict)  # whole -> part keys
-    _kin: dict[str, frozenset[str]] = field(default_factory=dict)  # key -> its whole + parts
     version: int = 0  # bumped on every change: a check() made at this version holds
 
     def set_parts(self, parts: Mapping[str, str]) -> None:
@@ -142,14 +141,10 @@ class Holdings:
         module docstring: set from each inventory (the Engine does), kept apart from the
         grants, which name devices only by key."""
         wholes: dict[str, set[str]] = {}
-        kin: dict[str, set[str]] = {}
         for part, whole in parts.items():
             wholes.setdefault(whole, set()).add(part)
-            kin.setdefault(part, set()).add(whole)
-            kin.setdefault(whole, set()).add(part)
         self._whole = dict(parts)
         self._parts = {w: frozenset(p) for w, p in wholes.items()}
-        self._kin = {k: frozenset(v) for k, v in kin.items()}
         self.version += 1
 
     def _related(self, key: str) -> list[tuple[str, str]]:
@@ -226,10 +221,11 @@ class Holdings:
         """Refuse `grant` if it would take a device another container holds: the one
         exclusivity rule. `source_of(key)`: what asked for that device (the refusal
         names the first conflicting device's; asked only then)."""
-        holders = self._holders
-        if not any(key in holders or not holders.keys().isdisjoint(self._kin.get(key, ()))
+        holders, whole, parts = self._holders, self._whole, self._parts
+        if not any(key in holders or whole.get(key) in holders
+                   or not holders.keys().isdisjoint(parts.get(key, ()))
                    for key in grant.exclusive):
-            return  # most grants: no key, whole or part of theirs is held by anyone
+            return  # most grants: nobody holds a key of theirs, its whole or its parts
         mine: frozenset[str] | None = None  # the grants `grant` replaces, once needed
         conflicts: dict[str, list[Grant]] = {}
         first = ""
