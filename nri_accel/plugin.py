@@ -61,7 +61,11 @@ _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # envelope around the adjustment (field tags and lengths, the status).
 MAX_ADJUSTMENT_BYTES = MAX_MESSAGE_SIZE - 1024
 RESTORE_SLICE = 100  # granted containers restored between two turns of the event loop
-ENV_SLICE = 10_000  # env entries of a large env searched between two turns of the loop
+ENV_SLICE = 10_000  # env entries of a large request searched between two turns of the loop
+ANNOTATION_SLICE = 5_000  # and annotations, read as their map entries (slower to walk)
+# The annotations of a container the Engine reads: those of its pod, and the CRI
+# metadata CRI-O names it in (convert.container_name).
+_CONTAINER_KEYS = (*ANNOTATION_PREFIXES, convert.CRIO_METADATA)
 
 log = logging_setup.get_logger(__name__)
 
@@ -75,7 +79,7 @@ class AccelPlugin:
     REMOVE_CONTAINER). `on_change` is called after every change of the holdings (the
     checkpoint writer)."""
 
-    request_views = convert.REQUEST_VIEWS  # the stub decodes what convert reads, no more
+    request_decoders = convert.REQUEST_DECODERS  # the stub decodes what convert reads
 
     def __init__(self, engine: Engine, on_change: Any = None) -> None:
         self.engine = engine
@@ -120,23 +124,9 @@ class AccelPlugin:
 
     def create_container(self, pod: Any, container: Any) -> Any:
         started = time.perf_counter_ns()
-        if convert.large_env(container):
+        if convert.is_large(container):
             return self._create_large(pod, container, started)
-        return self._create(pod, container, convert.container_env(container, ENV_SCOPE),
-                            started)
-
-    async def _create_large(self, pod: Any, container: Any, started: int) -> Any:
-        """A container with a large env (a 4 MiB request holds 100,000 variables): the
-        entries the Engine reads are found ENV_SLICE at a time, the event loop free in
-        between (the whole would hold it some 10 ms); then as any other."""
-        env: list[str] = []
-        for found in convert.env_parts(container, ENV_SCOPE, ENV_SLICE):
-            env += found
-            await asyncio.sleep(0)
-        return self._create(pod, container, tuple(env), started)
-
-    def _create(self, pod: Any, container: Any, env: tuple[str, ...], started: int) -> Any:
-        """CreateContainer of `container`, whose env entries the Engine reads are `env`."""
+        env = convert.container_env(container, ENV_SCOPE)
         if self._asks_nothing(pod, container, env):
             # Most containers on a node ask for nothing: they are answered at once, empty
             # (the stub sends b""), without a ContainerInfo, a parse or an info line
@@ -145,7 +135,31 @@ class AccelPlugin:
             log.debug("container_created", container_id=container.id, devices=[],
                       asked="nothing")
             return None
-        info = convert.container_info(pod, container, env)
+        return self._create(convert.container_info(pod, container, env), started)
+
+    async def _create_large(self, pod: Any, container: Any, started: int) -> Any:
+        """A request over convert.LARGE_REQUEST bytes, in the large view (a 4 MiB one
+        holds 100,000 env variables or annotations): the env entries and annotations the
+        Engine reads are found ENV_SLICE and ANNOTATION_SLICE at a time, the event loop
+        free in between (the whole would hold it 10 to 100 ms), then planned as any
+        other (one that asks nothing too: such a request is rare)."""
+        await asyncio.sleep(0)  # a turn first: decoding the request held the loop
+        env: list[str] = []
+        for found in convert.env_parts(container, ENV_SCOPE, ENV_SLICE):
+            env += found
+            await asyncio.sleep(0)
+        kept: list[dict[str, str]] = []
+        for message, keys in ((pod, ANNOTATION_PREFIXES), (container, _CONTAINER_KEYS)):
+            read: dict[str, str] = {}
+            for part in convert.annotation_parts(message.annotations, keys, ANNOTATION_SLICE):
+                read.update(part)
+                await asyncio.sleep(0)
+            kept.append(read)
+        return self._create(convert.container_info(
+            pod, container, tuple(env), pod_annotations=kept[0], annotations=kept[1]), started)
+
+    def _create(self, info: ContainerInfo, started: int) -> Any:
+        """The adjustment for the container `info`, recorded and logged; or its refusal."""
         try:
             plan = self.engine.plan(info)
             result = adjust.encode_adjustment(plan.edits, plan.annotations,

@@ -1,7 +1,7 @@
 """NRI protobuf pods and containers -> the plain data the pipeline works on.
 
-Owns: the views the stub decodes the large requests as (REQUEST_VIEWS: what this
-module reads of them, api/nri_views.proto), PodSandbox + Container ->
+Owns: how the stub decodes the large requests (REQUEST_DECODERS: as views, messages
+declaring what this module reads of them, api/nri_views.proto), PodSandbox + Container ->
 nri_accel.container.ContainerInfo (container_info), the little of each pod and
 container of a Synchronize that is kept while its parts arrive (synced: SyncedPod,
 SyncedContainer), and the lean ContainerInfo of each live container of a Synchronize
@@ -18,6 +18,11 @@ of the whole env joined with NUL: one str.find pass per group of prefixes, in C,
 only the entries found are looked at. (NUL separates: no env entry holds one, the kernel
 could not pass it; an env that does is tested entry by entry.) env_parts() does the same
 a part at a time, for a caller that gives the event loop a turn between parts.
+
+Large requests: a CreateContainer over LARGE_REQUEST bytes (a huge env, or huge
+annotations: up to the 4 MiB message limit) is decoded as the large view (is_large()),
+whose annotations are their map entries; annotation_parts() reads them a part at a
+time, keeping the keys its caller reads, and container_info() takes what was kept.
 
 Names: containerd names a container from its CRI metadata; CRI-O names it from the
 `io.kubernetes.container.name` label, so a container created without kubelet's labels
@@ -45,30 +50,66 @@ CRIO_METADATA = "io.kubernetes.cri-o.Metadata"
 _MAX_METADATA_CHARS = 4096
 LARGE_ENV = 1024
 """Entries from which an env is large (see the module docstring)."""
+LARGE_REQUEST = 64 * 1024
+"""Bytes from which a CreateContainer is decoded as the large view (module docstring)."""
 
-Pod = pb.PodSandbox | views.PodSandbox
-Container = pb.Container | views.Container
-"""A pod or container of a CreateContainer: the full message, or its view."""
+Pod = pb.PodSandbox | views.PodSandbox | views.LargePodSandbox
+Container = pb.Container | views.Container | views.LargeContainer
+"""A pod or container of a CreateContainer: the full message, or a view of it."""
 
-REQUEST_VIEWS = {"CreateContainer": views.CreateContainerRequest,
-                 "Synchronize": views.SynchronizeRequest}
-"""The messages a plugin reading containers through this module has the stub decode
-its large requests as (the stub's `request_views`): every field container_info(),
+
+def decode_create(payload: bytes) -> views.CreateContainerRequest | \
+        views.LargeCreateContainerRequest:
+    """A CreateContainer request's bytes as its view; over LARGE_REQUEST, the large one.
+    Raises protobuf's DecodeError."""
+    if len(payload) > LARGE_REQUEST:
+        return views.LargeCreateContainerRequest.FromString(payload)
+    return views.CreateContainerRequest.FromString(payload)
+
+
+REQUEST_DECODERS = {"CreateContainer": decode_create,
+                    "Synchronize": views.SynchronizeRequest.FromString}
+"""How a plugin reading containers through this module has the stub decode its large
+requests (the stub's `request_decoders`): as views of every field container_info(),
 container_name(), mentions() and synced() read, and no other."""
 
 
-def container_info(pod: Pod, container: Container,
-                   env: tuple[str, ...] | None = None) -> ContainerInfo:
+def is_large(container: Container) -> bool:
+    """Whether the container comes in the large view (its request was over
+    LARGE_REQUEST bytes): its annotations, and its pod's, are read with
+    annotation_parts(), not as maps."""
+    return isinstance(container, views.LargeContainer)
+
+
+def annotation_parts(entries: Sequence[views.Annotation], prefixes: tuple[str, ...],
+                     size: int) -> Iterator[dict[str, str]]:
+    """The annotations (a large view's map entries) whose key starts with one of
+    `prefixes`, `size` entries at a time, for a caller that gives the event loop a
+    turn between parts: merged in order, a later entry of a key replaces an earlier
+    one, as protobuf does when it decodes the map."""
+    for start in range(0, len(entries), size):
+        yield {a.key: a.value for a in entries[start:start + size]
+               if a.key.startswith(prefixes)}
+
+
+def container_info(pod: Pod, container: Container, env: tuple[str, ...] | None = None, *,
+                   pod_annotations: Mapping[str, str] | None = None,
+                   annotations: Mapping[str, str] | None = None) -> ContainerInfo:
     """What the request pipeline needs to know about a container being created; its
-    env as container_env() gives it (by default the whole env)."""
+    env as container_env() gives it (by default the whole env); the pod's annotations
+    and its own as given (by default all of them: of a large view, they must be given,
+    as annotation_parts() read them)."""
+    if pod_annotations is None:
+        pod_annotations = pod.annotations
+    own = container.annotations if annotations is None else annotations
     return ContainerInfo(
         namespace=pod.namespace,
         pod_name=pod.name,
         pod_uid=pod.uid,
-        container_name=container_name(container),
+        container_name=name_of(container.name, own),
         container_id=container.id,
-        pod_annotations=MappingProxyType(dict(pod.annotations)),
-        container_annotations=MappingProxyType(dict(container.annotations)),
+        pod_annotations=MappingProxyType(dict(pod_annotations)),
+        container_annotations=MappingProxyType(dict(own)),
         env=tuple(container.env) if env is None else env,
         device_paths=frozenset(d.path for d in container.linux.devices),
         mount_destinations=frozenset(m.destination for m in container.mounts),
@@ -82,11 +123,6 @@ def container_env(container: Container, scope: tuple[str, ...]) -> tuple[str, ..
     its reader looks at (see the module docstring)."""
     env = container.env
     return tuple(env) if len(env) <= LARGE_ENV else env_entries(env, scope)
-
-
-def large_env(container: Container) -> bool:
-    """Whether the container's env is large (over LARGE_ENV entries)."""
-    return len(container.env) > LARGE_ENV
 
 
 def env_parts(container: Container, scope: tuple[str, ...],
@@ -157,11 +193,17 @@ def _common_start(texts: list[str]) -> str:
     return start
 
 
-def container_name(container: Container | views.SyncedContainer) -> str:
+def container_name(container: pb.Container | views.Container | views.SyncedContainer) -> str:
     """The container's NRI name, else its CRI metadata name as CRI-O records it."""
-    if container.name:
-        return container.name
-    raw = container.annotations.get(CRIO_METADATA, "")
+    return name_of(container.name, container.annotations)
+
+
+def name_of(name: str, annotations: Mapping[str, str]) -> str:
+    """A container's NRI `name`, else the CRI metadata name CRI-O records in its
+    `annotations`."""
+    if name:
+        return name
+    raw = annotations.get(CRIO_METADATA, "")
     if not raw or len(raw) > _MAX_METADATA_CHARS:
         return ""
     try:

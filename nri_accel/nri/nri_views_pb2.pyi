@@ -106,3 +106,49 @@ class LinuxDevice(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class LargeCreateContainerRequest(_message.Message):
+    __slots__ = ("pod", "container")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    pod: LargePodSandbox
+    container: LargeContainer
+    def __init__(self, pod: _Optional[_Union[LargePodSandbox, _Mapping]] = ..., container: _Optional[_Union[LargeContainer, _Mapping]] = ...) -> None: ...
+
+class LargePodSandbox(_message.Message):
+    __slots__ = ("id", "name", "uid", "namespace", "annotations")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    uid: str
+    namespace: str
+    annotations: _containers.RepeatedCompositeFieldContainer[Annotation]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., uid: _Optional[str] = ..., namespace: _Optional[str] = ..., annotations: _Optional[_Iterable[_Union[Annotation, _Mapping]]] = ...) -> None: ...
+
+class LargeContainer(_message.Message):
+    __slots__ = ("id", "name", "annotations", "env", "mounts", "linux")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    LINUX_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    annotations: _containers.RepeatedCompositeFieldContainer[Annotation]
+    env: _containers.RepeatedScalarFieldContainer[str]
+    mounts: _containers.RepeatedCompositeFieldContainer[Mount]
+    linux: LinuxContainer
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., annotations: _Optional[_Iterable[_Union[Annotation, _Mapping]]] = ..., env: _Optional[_Iterable[str]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., linux: _Optional[_Union[LinuxContainer, _Mapping]] = ...) -> None: ...
+
+class Annotation(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...

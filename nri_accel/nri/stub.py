@@ -38,11 +38,12 @@ that needs little of tens of thousands of containers keeps just that.
 
 Arguments and results are nri_pb2 messages (build them with nri.adjust and read
 them with nri.convert). A plugin that reads little of a large request may say so
-with a `request_views` attribute, {"CreateContainer": type, "Synchronize": type}: the
-request's bytes are then decoded as that message, one of nri_views_pb2's, which
-declares only the fields it reads, and the handlers get its parts (the fields it
-leaves out are skipped undecoded: most of a container, 40 % of a typical create's
-decoding time and three quarters of a Synchronize's).
+with a `request_decoders` attribute, {"CreateContainer": decode, "Synchronize":
+decode}, each a function of the request's bytes returning a message (raising
+protobuf's DecodeError): a view, one of nri_views_pb2's, which declares only the
+fields the plugin reads, and the handlers get its parts (the fields it leaves out are
+skipped undecoded: most of a container, 40 % of a typical create's decoding time and
+three quarters of a Synchronize's). nri.convert.REQUEST_DECODERS are such functions.
 
 The event mask sent in ConfigureResponse has a bit for each event handler the plugin
 defines; `state_change` stands in for the pure notifications (pod run/stop/remove/
@@ -246,9 +247,10 @@ class Stub:
         self.events = 0  # mask the runtime was sent, once configured
         self.registrations = 0  # successful registrations so far
         self._handlers = _find_handlers(plugin)
-        views = getattr(plugin, "request_views", {})
-        self._create_request = views.get("CreateContainer", pb.CreateContainerRequest)
-        self._sync_request = views.get("Synchronize", pb.SynchronizeRequest)
+        decoders = getattr(plugin, "request_decoders", {})
+        self._decode_create = decoders.get("CreateContainer",
+                                           pb.CreateContainerRequest.FromString)
+        self._decode_sync = decoders.get("Synchronize", pb.SynchronizeRequest.FromString)
         self.handled_events = _handled_mask(self._handlers)
         if not self.handled_events:
             raise StubConfigError(
@@ -466,7 +468,7 @@ class Stub:
             self._configured.set_exception(exc)
 
     def _synchronize(self, ctx: CallContext, payload: bytes) -> Answer:
-        req = _parse(self._sync_request, payload)
+        req = _parse(pb.SynchronizeRequest, payload, self._decode_sync)
         handler = self._handlers.get("synchronize")
         if handler is None:
             return pb.SynchronizeResponse(more=req.more).SerializeToString()
@@ -521,7 +523,7 @@ class Stub:
         handler = self._handlers.get("create_container")
         if handler is None:
             return b""
-        req = _parse(self._create_request, payload)
+        req = _parse(pb.CreateContainerRequest, payload, self._decode_create)
         return _call(handler, "CreateContainer", (req.pod, req.container), _created)
 
     def _update_container(self, ctx: CallContext, payload: bytes) -> Answer:
@@ -607,10 +609,12 @@ _NOTIFY_RPCS = (
 )
 
 
-def _parse(message_type: Any, payload: bytes) -> Any:
-    """Decode a request payload; an undecodable one is the caller's error."""
+def _parse(message_type: Any, payload: bytes,
+           decode: Callable[[bytes], Any] | None = None) -> Any:
+    """Decode a request payload of `message_type` (with `decode`: as that returns it);
+    an undecodable one is the caller's error."""
     try:
-        return message_type.FromString(payload)
+        return (decode or message_type.FromString)(payload)
     except DecodeError as exc:
         raise TtrpcError(Code.INVALID_ARGUMENT,
                          f"malformed {message_type.DESCRIPTOR.name}: {exc}") from exc

@@ -12,7 +12,9 @@ Properties:
 - bytes protobuf cannot decode raise DecodeError only (the stub answers those with
   INVALID_ARGUMENT); container_info never raises;
 - the request is decoded as the daemon decodes it, as its view (api/nri_views.proto);
-  where the whole message decodes too, it reads as the same container;
+  where the whole message decodes too, it reads as the same container; the large view
+  (annotations as their map entries, for requests over convert.LARGE_REQUEST bytes)
+  decodes exactly the bytes the view decodes, to the same annotations;
 - planning and building the answer raise only NriAccelError subclasses (never
   InternalError, the wrapper of a bug), with a `source` their text starts with;
 - a refused request changes no Engine state: the holdings and their version are as
@@ -33,8 +35,9 @@ from nri_accel.config import Config, PolicyConfig
 from nri_accel.engine import Engine
 from nri_accel.errors import InternalError, NriAccelError
 from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri import nri_views_pb2 as views
 from nri_accel.nri.adjust import build_adjustment
-from nri_accel.nri.convert import REQUEST_VIEWS, container_info
+from nri_accel.nri.convert import REQUEST_DECODERS, container_info
 
 CONFIGS = {
     "kubernetes": Config(),
@@ -98,11 +101,21 @@ def damaged(draw: st.DrawFn, data: bytes) -> bytes:
 
 
 def create(eng: Engine, data: bytes) -> None:
-    """One CreateContainer as nri_accel.plugin serves it: decoded as its view."""
+    """One CreateContainer as nri_accel.plugin serves it: decoded as its view (these
+    requests are under convert.LARGE_REQUEST bytes: the view with annotation maps)."""
     try:
-        req = REQUEST_VIEWS["CreateContainer"].FromString(data)
+        req = REQUEST_DECODERS["CreateContainer"](data)
     except DecodeError:
+        req = None
+    try:
+        large = views.LargeCreateContainerRequest.FromString(data)
+    except DecodeError:
+        large = None
+    assert (req is None) == (large is None)
+    if req is None or large is None:
         return
+    for mine, entries in ((req.pod, large.pod), (req.container, large.container)):
+        assert {a.key: a.value for a in entries.annotations} == dict(mine.annotations)
     info = container_info(req.pod, req.container)
     try:
         full = pb.CreateContainerRequest.FromString(data)

@@ -5,9 +5,11 @@ answered at once, empty, and logged at debug only (the fast path of
 AccelPlugin.create_container). Everything that does read as a request still takes the
 full path: a visibility variable in the env (rewritten to "void" where env may not
 grant), the annotations nri-accel refuses, and a container whose creation replaces a
-grant. Large envs (over convert.LARGE_ENV entries, searched as one string, ENV_SLICE
-entries at a time with the event loop free in between) behave as small ones. The
-inventory is the built-in demo node (8 A100s, tests/demo_node.py).
+grant. Large envs (over convert.LARGE_ENV entries, searched as one string) behave as
+small ones; so do requests over convert.LARGE_REQUEST bytes (huge envs or annotations,
+decoded as the large view and read ENV_SLICE and ANNOTATION_SLICE entries at a time,
+with the event loop free in between). The inventory is the built-in demo node (8 A100s,
+tests/demo_node.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from nri_accel.nri import convert
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import make_container, make_pod
 from nri_accel.nri.stub import _created
-from nri_accel.plugin import ENV_SLICE, AccelPlugin
+from nri_accel.plugin import ANNOTATION_SLICE, ENV_SLICE, AccelPlugin
 from nri_accel.request import ANNOTATION_PREFIXES, ENV_PREFIXES, Parsed, parse
 
 pytestmark = pytest.mark.usefixtures("all_logs")  # tests/conftest.py: debug lines too
@@ -97,26 +99,75 @@ def test_nvidia_visible_devices_all_in_an_untrusted_namespace_is_still_rewritten
     assert "env NVIDIA_VISIBLE_DEVICES=all not granted" in line["notes"][0]
 
 
-def test_a_huge_env_is_searched_in_parts_with_the_event_loop_free_between() -> None:
-    # 2.5 parts of filler, then a request in the last: found, and the loop turned twice
-    env = [f"V{i}=x" for i in range(ENV_SLICE * 5 // 2)] + ["NVIDIA_VISIBLE_DEVICES=0"]
-    pod = make_pod({"name": "p", "namespace": "ml"})
-    ctr = make_container(pod, {"name": "main", "env": env})
-    accel = plugin("ml")
+def served_large(accel: AccelPlugin, pod: Any, ctr: Any) -> tuple[Any, int]:
+    """A create over convert.LARGE_REQUEST bytes as the daemon serves it (decoded as the
+    large view, answered by a coroutine): the answer, and how often the loop turned."""
+    payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+    assert len(payload) > convert.LARGE_REQUEST
+    req = convert.decode_create(payload)
     turns = 0
 
     async def main() -> Any:
         nonlocal turns
-        answer = asyncio.ensure_future(accel.create_container(pod, ctr))
+        answer = asyncio.ensure_future(accel.create_container(req.pod, req.container))
         while not answer.done():
             turns += 1
             await asyncio.sleep(0)
         return answer.result()
 
-    result = pb.ContainerAdjustment.FromString(asyncio.run(main()))
-    assert turns == 1 + 3  # once before the create starts, then once after each part
-    assert [d.path for d in result.linux.devices if d.path.startswith("/dev/nvidia0")] == [
-        "/dev/nvidia0"]
+    return asyncio.run(main()), turns
+
+
+def gpus(encoded: bytes | None) -> list[str]:
+    adjustment = pb.ContainerAdjustment.FromString(encoded or b"")
+    return [d.path for d in adjustment.linux.devices if d.path[11:].isdigit()]
+
+
+def test_a_huge_env_is_searched_in_parts_with_the_event_loop_free_between() -> None:
+    # 2.5 parts of filler, then a request in the last: found, and the loop turned twice
+    env = [f"V{i}=x" for i in range(ENV_SLICE * 5 // 2)] + ["NVIDIA_VISIBLE_DEVICES=0"]
+    pod = make_pod({"name": "p", "namespace": "ml"})
+    result, turns = served_large(plugin("ml"), pod, make_container(pod, {"name": "main",
+                                                                         "env": env}))
+    assert turns == 2 + 3  # twice before the env is read, then after each of its parts
+    assert gpus(result) == ["/dev/nvidia0"]
+
+
+def test_huge_annotations_are_read_in_parts_with_the_event_loop_free_between() -> None:
+    # 100,000 annotations (3 MB): protobuf would build the map in one call of some 50 ms
+    filler = {f"example.com/key-{i:06d}": "v" * 8 for i in range(ANNOTATION_SLICE * 20)}
+    pod = make_pod({"name": "p", "namespace": "ml",
+                    "annotations": {**filler, "devices.nri-accel.io/container.main":
+                                    "nvidia.com/gpu=1"}})
+    ctr = make_container(pod, {"name": "main", "env": [], "annotations": filler})
+    accel = plugin("ml")
+    result, turns = served_large(accel, pod, ctr)
+    assert turns == 2 + 21 + 20  # and after each 5,000 of the pod's and the container's
+    assert gpus(result) == ["/dev/nvidia1"]
+    # among them, what the parser refuses is still refused, naming its key
+    ctr.annotations["nri-accel.io/granted"] = "nvidia.com/gpu=2"
+    with pytest.raises(RequestError) as raised:
+        served_large(accel, pod, ctr)
+    assert raised.value.source == "container annotation nri-accel.io/granted"
+
+
+def test_a_huge_create_that_asks_nothing_is_answered_empty() -> None:
+    filler = {f"example.com/key-{i:06d}": "v" * 8 for i in range(ANNOTATION_SLICE * 3)}
+    pod = make_pod({"name": "p", "annotations": filler})
+    ctr = make_container(pod, {"name": "main", "annotations": filler,
+                               "env": [f"V{i}=x" for i in range(ENV_SLICE)]})
+    result, _ = served_large(plugin(), pod, ctr)
+    assert pb.ContainerAdjustment.FromString(result) == pb.ContainerAdjustment()
+
+
+def test_a_huge_create_of_a_cri_o_container_is_named_from_its_metadata() -> None:
+    filler = {f"example.com/key-{i:06d}": "v" * 8 for i in range(ANNOTATION_SLICE * 3)}
+    pod = make_pod({"name": "p", "namespace": "ml", "annotations": {
+        **filler, "devices.nri-accel.io/container.trainer": "nvidia.com/gpu=3"}})
+    ctr = make_container(pod, {"name": "", "annotations": {
+        **filler, convert.CRIO_METADATA: '{"name": "trainer"}'}})
+    result, _ = served_large(plugin("ml"), pod, ctr)
+    assert gpus(result) == ["/dev/nvidia3"]
 
 
 def test_a_cuda_image_in_a_trusted_namespace_gets_its_gpus() -> None:

@@ -1,5 +1,6 @@
 """The request views (api/nri_views.proto): each field is nri.proto's, and a captured
-request decodes to the same values through its view as through the full message."""
+request decodes to the same values through its views (the large one's annotations as
+their map entries) as through the full message."""
 
 from __future__ import annotations
 
@@ -18,12 +19,17 @@ from nri_accel.nri.stub import Identity, Stub
 from nri_accel.plugin import AccelPlugin
 
 # view message -> the nri.proto message it stands for (by default, the same name)
-STANDS_FOR = {"SyncedContainer": "Container"}
+STANDS_FOR = {"SyncedContainer": "Container", "LargeCreateContainerRequest":
+              "CreateContainerRequest", "LargePodSandbox": "PodSandbox",
+              "LargeContainer": "Container"}
 FULL_REQUESTS = {"CreateContainer": pb.CreateContainerRequest,
                  "Synchronize": pb.SynchronizeRequest}
+ANNOTATIONS_ENTRY = pb.PodSandbox.DESCRIPTOR.fields_by_name["annotations"].message_type
 
 
 def _counterpart(view: Descriptor) -> Descriptor:
+    if view.name == "Annotation":  # a map<string, string> annotations' entry
+        return ANNOTATIONS_ENTRY
     return pb.DESCRIPTOR.message_types_by_name[STANDS_FOR.get(view.name, view.name)]
 
 
@@ -45,7 +51,7 @@ def _mismatches(view: Descriptor, full: Descriptor) -> list[str]:
         if field.type != theirs.type and not enum_as_int:
             found.append(f"{where}: type {field.type}, nri.proto {theirs.type}")
         if field.message_type is not None and theirs.message_type is not None:
-            if field.message_type.GetOptions().map_entry:
+            if theirs.message_type.GetOptions().map_entry:  # a map, or its entries
                 found += _mismatches(field.message_type, theirs.message_type)
             elif _counterpart(field.message_type) is not theirs.message_type:
                 found.append(f"{where}: a {field.message_type.name}, nri.proto a "
@@ -55,7 +61,7 @@ def _mismatches(view: Descriptor, full: Descriptor) -> list[str]:
 
 def test_every_view_field_is_the_nri_field_of_that_name() -> None:
     messages = list(views.DESCRIPTOR.message_types_by_name.values())
-    assert len(messages) == 8
+    assert len(messages) == 12
     assert [m for view in messages for m in _mismatches(view, _counterpart(view))] == []
 
 
@@ -75,8 +81,12 @@ def _same(view: Any, full: Any) -> list[str]:
     differ = []
     for field in view.DESCRIPTOR.fields:
         mine, theirs = getattr(view, field.name), getattr(full, field.name)
-        if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            if dict(mine) != dict(theirs):
+        entry = full.DESCRIPTOR.fields_by_name[field.name].message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            # a map, or its entries in the large views: the last entry of a key wins
+            read = dict(mine) if field.message_type.GetOptions().map_entry else {
+                a.key: a.value for a in mine}
+            if read != dict(theirs):
                 differ.append(field.name)
         elif field.is_repeated and field.message_type is not None:
             if len(mine) != len(theirs):
@@ -99,10 +109,13 @@ def test_captured_requests_read_the_same_through_their_views(nri_wire_dir: Path,
     checked = 0
     for relay in relay_conns(nri_wire_dir, capture):
         for _, method, payload in runtime_requests(nri_wire_dir, capture, relay):
-            if method in convert.REQUEST_VIEWS:
-                view = convert.REQUEST_VIEWS[method].FromString(payload)
+            if method in convert.REQUEST_DECODERS:
                 full = FULL_REQUESTS[method].FromString(payload)
-                assert _same(view, full) == [], (capture, method)
+                assert _same(convert.REQUEST_DECODERS[method](payload), full) == [], (
+                    capture, method)
+                if method == "CreateContainer":
+                    large = views.LargeCreateContainerRequest.FromString(payload)
+                    assert _same(large, full) == [], (capture, method)
                 checked += 1
     assert checked
 
@@ -127,9 +140,9 @@ def test_a_view_decodes_what_it_declares_and_skips_the_rest() -> None:
 class _Seen:
     """A plugin recording the message types the stub hands it."""
 
-    def __init__(self, request_views: dict[str, Any] | None = None) -> None:
-        if request_views is not None:
-            self.request_views = request_views
+    def __init__(self, request_decoders: dict[str, Any] | None = None) -> None:
+        if request_decoders is not None:
+            self.request_decoders = request_decoders
         self.types: list[str] = []
 
     def create_container(self, pod: Any, container: Any) -> None:
@@ -144,7 +157,7 @@ def test_the_stub_decodes_as_the_plugin_asks_and_in_full_otherwise() -> None:
     ctr = make_container(pod, {"name": "c"})
     create = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
     sync = pb.SynchronizeRequest(pods=[pod], containers=[ctr]).SerializeToString()
-    for plugin, package, synced in ((_Seen(convert.REQUEST_VIEWS), "nri_accel.views.v1",
+    for plugin, package, synced in ((_Seen(convert.REQUEST_DECODERS), "nri_accel.views.v1",
                                      "SyncedContainer"),
                                     (_Seen(), "nri.pkg.api.v1alpha1", "Container")):
         stub = Stub(plugin, Identity("seen", "50"), socket_path="/nonexistent")
@@ -154,6 +167,26 @@ def test_the_stub_decodes_as_the_plugin_asks_and_in_full_otherwise() -> None:
                                 f"{package}.{synced}"]
 
 
+def test_a_create_over_large_request_bytes_is_decoded_as_the_large_view() -> None:
+    def create(filler: int) -> bytes:
+        pod = make_pod({"name": "p", "annotations": {"filler": "x" * filler}})
+        ctr = make_container(pod, {"name": "c"})
+        return pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+
+    at_limit = next(create(n) for n in range(convert.LARGE_REQUEST - 400, convert.LARGE_REQUEST)
+                    if len(create(n)) == convert.LARGE_REQUEST)
+    over = create(at_limit.count(b"x") + 1)
+    assert len(over) == convert.LARGE_REQUEST + 1
+    seen = []
+    for payload in (at_limit, over):
+        plugin = _Seen(convert.REQUEST_DECODERS)
+        stub = Stub(plugin, Identity("seen", "50"), socket_path="/nonexistent")
+        assert stub._create_container(None, payload) == b""
+        seen.append(plugin.types)
+    assert seen == [["nri_accel.views.v1.PodSandbox", "nri_accel.views.v1.Container"],
+                    ["nri_accel.views.v1.LargePodSandbox", "nri_accel.views.v1.LargeContainer"]]
+
+
 def test_the_daemon_reads_creates_and_synchronize_through_the_views() -> None:
-    assert AccelPlugin.request_views is convert.REQUEST_VIEWS
-    assert set(convert.REQUEST_VIEWS) == {"CreateContainer", "Synchronize"}
+    assert AccelPlugin.request_decoders is convert.REQUEST_DECODERS
+    assert set(convert.REQUEST_DECODERS) == {"CreateContainer", "Synchronize"}
