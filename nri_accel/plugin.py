@@ -61,8 +61,6 @@ _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # envelope around the adjustment (field tags and lengths, the status).
 MAX_ADJUSTMENT_BYTES = MAX_MESSAGE_SIZE - 1024
 RESTORE_SLICE = 100  # granted containers restored between two turns of the event loop
-ENV_SLICE = 10_000  # env entries of a large request searched between two turns of the loop
-ANNOTATION_SLICE = 5_000  # and annotations, read as their map entries (slower to walk)
 # The annotations of a container the Engine reads: those of its pod, and the CRI
 # metadata CRI-O names it in (convert.container_name).
 _CONTAINER_KEYS = (*ANNOTATION_PREFIXES, convert.CRIO_METADATA)
@@ -139,24 +137,18 @@ class AccelPlugin:
 
     async def _create_large(self, pod: Any, container: Any, started: int) -> Any:
         """A request over convert.LARGE_REQUEST bytes, in the large view (a 4 MiB one
-        holds 100,000 env variables or annotations): the env entries and annotations the
-        Engine reads are found ENV_SLICE and ANNOTATION_SLICE at a time, the event loop
-        free in between (the whole would hold it 10 to 100 ms), then planned as any
-        other (one that asks nothing too: such a request is rare)."""
-        await asyncio.sleep(0)  # a turn first: decoding the request held the loop
-        env: list[str] = []
-        for found in convert.env_parts(container, ENV_SCOPE, ENV_SLICE):
-            env += found
-            await asyncio.sleep(0)
-        kept: list[dict[str, str]] = []
-        for message, keys in ((pod, ANNOTATION_PREFIXES), (container, _CONTAINER_KEYS)):
-            read: dict[str, str] = {}
-            for part in convert.annotation_parts(message.annotations, keys, ANNOTATION_SLICE):
-                read.update(part)
-                await asyncio.sleep(0)
-            kept.append(read)
-        return self._create(convert.container_info(
-            pod, container, tuple(env), pod_annotations=kept[0], annotations=kept[1]), started)
+        holds 100,000 env variables or annotations, or 60,000 mounts): what the Engine
+        reads of it is gathered a slice at a time (convert.large_container_info), the
+        event loop free in between (the whole would hold it 10 to 100 ms), then planned
+        as any other (one that asks nothing too: such a request is rare)."""
+        steps = convert.large_container_info(pod, container, ENV_SCOPE, ANNOTATION_PREFIXES,
+                                             _CONTAINER_KEYS)
+        while True:
+            await asyncio.sleep(0)  # the first turn: decoding the request held the loop
+            try:
+                next(steps)
+            except StopIteration as done:
+                return self._create(done.value, started)
 
     def _create(self, info: ContainerInfo, started: int) -> Any:
         """The adjustment for the container `info`, recorded and logged; or its refusal."""

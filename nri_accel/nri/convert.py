@@ -16,13 +16,14 @@ request's time. Of a large env (over LARGE_ENV entries) container_env() keeps on
 entries that start with a prefix its caller reads, found by env_entries() in one string
 of the whole env joined with NUL: one str.find pass per group of prefixes, in C, then
 only the entries found are looked at. (NUL separates: no env entry holds one, the kernel
-could not pass it; an env that does is tested entry by entry.) env_parts() does the same
-a part at a time, for a caller that gives the event loop a turn between parts.
+could not pass it; an env that does is tested entry by entry.) large_container_info()
+does the same a part at a time.
 
-Large requests: a CreateContainer over LARGE_REQUEST bytes (a huge env, or huge
-annotations: up to the 4 MiB message limit) is decoded as the large view (is_large()),
-whose annotations are their map entries; annotation_parts() reads them a part at a
-time, keeping the keys its caller reads, and container_info() takes what was kept.
+Large requests: a CreateContainer over LARGE_REQUEST bytes (a huge env, huge
+annotations, tens of thousands of mounts or devices: up to the 4 MiB message limit) is
+decoded as the large view (is_large()), whose annotations are their map entries, and
+read by large_container_info() a slice at a time, for a caller that gives the event
+loop a turn between slices.
 
 Names: containerd names a container from its CRI metadata; CRI-O names it from the
 `io.kubernetes.container.name` label, so a container created without kubelet's labels
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from operator import methodcaller
@@ -52,6 +53,9 @@ LARGE_ENV = 1024
 """Entries from which an env is large (see the module docstring)."""
 LARGE_REQUEST = 64 * 1024
 """Bytes from which a CreateContainer is decoded as the large view (module docstring)."""
+LARGE_SLICE = 5_000
+"""Annotations, mounts or devices (env entries: twice as many) of a large view read in
+one step of large_container_info()."""
 
 Pod = pb.PodSandbox | views.PodSandbox | views.LargePodSandbox
 Container = pb.Container | views.Container | views.LargeContainer
@@ -76,32 +80,65 @@ container_name(), mentions() and synced() read, and no other."""
 
 def is_large(container: Container) -> bool:
     """Whether the container comes in the large view (its request was over
-    LARGE_REQUEST bytes): its annotations, and its pod's, are read with
-    annotation_parts(), not as maps."""
+    LARGE_REQUEST bytes): read it with large_container_info()."""
     return isinstance(container, views.LargeContainer)
 
 
-def annotation_parts(entries: Sequence[views.Annotation], prefixes: tuple[str, ...],
-                     size: int) -> Iterator[dict[str, str]]:
-    """The annotations (a large view's map entries) whose key starts with one of
-    `prefixes`, `size` entries at a time, for a caller that gives the event loop a
-    turn between parts: merged in order, a later entry of a key replaces an earlier
-    one, as protobuf does when it decodes the map."""
+def large_container_info(pod: views.LargePodSandbox, container: views.LargeContainer,
+                         env_scope: tuple[str, ...], pod_keys: tuple[str, ...],
+                         own_keys: tuple[str, ...]) -> Generator[None, None, ContainerInfo]:
+    """container_info() of a container in the large view, one slice of its entries per
+    step (LARGE_SLICE): the caller gives the event loop a turn between steps and gets
+    the ContainerInfo as the generator's value. It keeps what its caller reads: the env
+    entries that start with one of `env_scope`, the pod's annotations whose key starts
+    with one of `pod_keys` and the container's with one of `own_keys` (of a key given
+    twice, the later entry, as protobuf decodes a map), every device path and mount
+    destination."""
+    env: list[str] = []
+    for part in _slices(container.env, 2 * LARGE_SLICE):
+        env += env_entries(part, env_scope)
+        yield
+    annotations: list[dict[str, str]] = []
+    for entries, keys in ((pod.annotations, pod_keys), (container.annotations, own_keys)):
+        kept: dict[str, str] = {}
+        for part in _slices(entries, LARGE_SLICE):
+            kept.update((a.key, a.value) for a in part if a.key.startswith(keys))
+            yield
+        annotations.append(kept)
+    device_paths: set[str] = set()
+    for part in _slices(container.linux.devices, LARGE_SLICE):
+        device_paths.update(d.path for d in part)
+        yield
+    destinations: set[str] = set()
+    for part in _slices(container.mounts, LARGE_SLICE):
+        destinations.update(m.destination for m in part)
+        yield
+    return container_info(pod, container, tuple(env), pod_annotations=annotations[0],
+                          annotations=annotations[1], device_paths=frozenset(device_paths),
+                          mount_destinations=frozenset(destinations))
+
+
+def _slices(entries: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
     for start in range(0, len(entries), size):
-        yield {a.key: a.value for a in entries[start:start + size]
-               if a.key.startswith(prefixes)}
+        yield entries[start:start + size]
 
 
 def container_info(pod: Pod, container: Container, env: tuple[str, ...] | None = None, *,
                    pod_annotations: Mapping[str, str] | None = None,
-                   annotations: Mapping[str, str] | None = None) -> ContainerInfo:
+                   annotations: Mapping[str, str] | None = None,
+                   device_paths: frozenset[str] | None = None,
+                   mount_destinations: frozenset[str] | None = None) -> ContainerInfo:
     """What the request pipeline needs to know about a container being created; its
-    env as container_env() gives it (by default the whole env); the pod's annotations
-    and its own as given (by default all of them: of a large view, they must be given,
-    as annotation_parts() read them)."""
+    env as container_env() gives it (by default the whole env), and the rest as given
+    (by default read from the messages; of a large view, large_container_info() reads
+    them)."""
     if pod_annotations is None:
         pod_annotations = pod.annotations
     own = container.annotations if annotations is None else annotations
+    if device_paths is None:
+        device_paths = frozenset(d.path for d in container.linux.devices)
+    if mount_destinations is None:
+        mount_destinations = frozenset(m.destination for m in container.mounts)
     return ContainerInfo(
         namespace=pod.namespace,
         pod_name=pod.name,
@@ -111,8 +148,8 @@ def container_info(pod: Pod, container: Container, env: tuple[str, ...] | None =
         pod_annotations=MappingProxyType(dict(pod_annotations)),
         container_annotations=MappingProxyType(dict(own)),
         env=tuple(container.env) if env is None else env,
-        device_paths=frozenset(d.path for d in container.linux.devices),
-        mount_destinations=frozenset(m.destination for m in container.mounts),
+        device_paths=device_paths,
+        mount_destinations=mount_destinations,
         pod_id=pod.id,
     )
 
@@ -123,16 +160,6 @@ def container_env(container: Container, scope: tuple[str, ...]) -> tuple[str, ..
     its reader looks at (see the module docstring)."""
     env = container.env
     return tuple(env) if len(env) <= LARGE_ENV else env_entries(env, scope)
-
-
-def env_parts(container: Container, scope: tuple[str, ...],
-              size: int) -> Iterator[tuple[str, ...]]:
-    """container_env() in parts, for a caller that must not hold its thread (the event
-    loop) for the whole of a huge env: the entries starting with one of `scope` among
-    each `size` entries in turn."""
-    env = container.env
-    for start in range(0, len(env), size):
-        yield env_entries(env[start:start + size], scope)
 
 
 def mentions(pod: Pod, container: Container, key_prefixes: tuple[str, ...],

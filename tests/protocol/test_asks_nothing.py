@@ -7,8 +7,8 @@ full path: a visibility variable in the env (rewritten to "void" where env may n
 grant), the annotations nri-accel refuses, and a container whose creation replaces a
 grant. Large envs (over convert.LARGE_ENV entries, searched as one string) behave as
 small ones; so do requests over convert.LARGE_REQUEST bytes (huge envs or annotations,
-decoded as the large view and read ENV_SLICE and ANNOTATION_SLICE entries at a time,
-with the event loop free in between). The inventory is the built-in demo node (8 A100s,
+decoded as the large view and read convert.LARGE_SLICE entries at a time, with the
+event loop free in between). The inventory is the built-in demo node (8 A100s,
 tests/demo_node.py).
 """
 
@@ -32,7 +32,7 @@ from nri_accel.nri import convert
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import make_container, make_pod
 from nri_accel.nri.stub import _created
-from nri_accel.plugin import ANNOTATION_SLICE, ENV_SLICE, AccelPlugin
+from nri_accel.plugin import AccelPlugin
 from nri_accel.request import ANNOTATION_PREFIXES, ENV_PREFIXES, Parsed, parse
 
 pytestmark = pytest.mark.usefixtures("all_logs")  # tests/conftest.py: debug lines too
@@ -42,6 +42,7 @@ UNRELATED_POD = {"kubernetes.io/config.seen": "2024-05-01T10:00:00Z",
 UNRELATED_ENV = ["PATH=/bin", "HOSTNAME=vm", "NVIDIA=1", "NVIDIA_VISIBLE_DEVICES",
                  "MY_NVIDIA_VISIBLE_DEVICES=all", "LD_LIBRARY_PATH=/opt/lib"]
 BIG = convert.LARGE_ENV + 100  # entries: the large-env path
+SLICE = convert.LARGE_SLICE  # annotations, mounts or devices read in one step (env: 2x)
 
 
 def plugin(*trusted: str) -> AccelPlugin:
@@ -124,8 +125,8 @@ def gpus(encoded: bytes | None) -> list[str]:
 
 
 def test_a_huge_env_is_searched_in_parts_with_the_event_loop_free_between() -> None:
-    # 2.5 parts of filler, then a request in the last: found, and the loop turned twice
-    env = [f"V{i}=x" for i in range(ENV_SLICE * 5 // 2)] + ["NVIDIA_VISIBLE_DEVICES=0"]
+    # 2.5 parts of filler, then a request in the last: found, the loop free in between
+    env = [f"V{i}=x" for i in range(2 * SLICE * 5 // 2)] + ["NVIDIA_VISIBLE_DEVICES=0"]
     pod = make_pod({"name": "p", "namespace": "ml"})
     result, turns = served_large(plugin("ml"), pod, make_container(pod, {"name": "main",
                                                                          "env": env}))
@@ -135,7 +136,7 @@ def test_a_huge_env_is_searched_in_parts_with_the_event_loop_free_between() -> N
 
 def test_huge_annotations_are_read_in_parts_with_the_event_loop_free_between() -> None:
     # 100,000 annotations (3 MB): protobuf would build the map in one call of some 50 ms
-    filler = {f"example.com/key-{i:06d}": "v" * 8 for i in range(ANNOTATION_SLICE * 20)}
+    filler = {f"example.com/key-{i:06d}": "v" * 8 for i in range(SLICE * 20)}
     pod = make_pod({"name": "p", "namespace": "ml",
                     "annotations": {**filler, "devices.nri-accel.io/container.main":
                                     "nvidia.com/gpu=1"}})
@@ -151,17 +152,38 @@ def test_huge_annotations_are_read_in_parts_with_the_event_loop_free_between() -
     assert raised.value.source == "container annotation nri-accel.io/granted"
 
 
+def test_tens_of_thousands_of_mounts_and_devices_are_read_in_parts() -> None:
+    # the container already has the GPU's node and nvidia-smi: they are not added again
+    pod = make_pod({"name": "p", "namespace": "ml"})
+    ctr = make_container(pod, {"name": "main", "env": ["NVIDIA_VISIBLE_DEVICES=0"],
+                               "mounts": [{"destination": f"/m/{i:06d}", "source": "/s"}
+                                          for i in range(SLICE * 3)]
+                               + [{"destination": "/usr/bin/nvidia-smi", "source": "/x"}],
+                               "linux": {"devices": [{"path": f"/dev/x{i:06d}"}
+                                                     for i in range(SLICE * 2)]
+                                         + [{"path": "/dev/nvidia0"}]}})
+    result, turns = served_large(plugin("ml"), pod, ctr)
+    assert turns == 2 + 1 + 3 + 4  # the env's one part, the devices' 3, the mounts' 4
+    adjustment = pb.ContainerAdjustment.FromString(result)
+    paths = {d.path for d in adjustment.linux.devices}
+    assert "/dev/nvidiactl" in paths and "/dev/nvidia0" not in paths
+    assert "/usr/bin/nvidia-smi" not in {m.destination for m in adjustment.mounts}
+    alone, _ = create(plugin("ml"), namespace="ml", env=["NVIDIA_VISIBLE_DEVICES=0"])
+    assert "/usr/bin/nvidia-smi" in {m.destination for m in alone.mounts}
+    assert "/dev/nvidia0" in {d.path for d in alone.linux.devices}
+
+
 def test_a_huge_create_that_asks_nothing_is_answered_empty() -> None:
-    filler = {f"example.com/key-{i:06d}": "v" * 8 for i in range(ANNOTATION_SLICE * 3)}
+    filler = {f"example.com/key-{i:06d}": "v" * 8 for i in range(SLICE * 3)}
     pod = make_pod({"name": "p", "annotations": filler})
     ctr = make_container(pod, {"name": "main", "annotations": filler,
-                               "env": [f"V{i}=x" for i in range(ENV_SLICE)]})
+                               "env": [f"V{i}=x" for i in range(2 * SLICE)]})
     result, _ = served_large(plugin(), pod, ctr)
     assert pb.ContainerAdjustment.FromString(result) == pb.ContainerAdjustment()
 
 
 def test_a_huge_create_of_a_cri_o_container_is_named_from_its_metadata() -> None:
-    filler = {f"example.com/key-{i:06d}": "v" * 8 for i in range(ANNOTATION_SLICE * 3)}
+    filler = {f"example.com/key-{i:06d}": "v" * 8 for i in range(SLICE * 3)}
     pod = make_pod({"name": "p", "namespace": "ml", "annotations": {
         **filler, "devices.nri-accel.io/container.trainer": "nvidia.com/gpu=3"}})
     ctr = make_container(pod, {"name": "", "annotations": {
