@@ -1,7 +1,7 @@
 """NRI protobuf pods and containers -> the plain data the pipeline works on.
 
-Owns: how the stub decodes the large requests (REQUEST_DECODERS: as views, messages
-declaring what this module reads of them, api/nri_views.proto), PodSandbox + Container ->
+Owns: how the stub decodes the requests that carry containers (REQUEST_DECODERS: as
+views, messages declaring what is read of them, api/nri_views.proto), PodSandbox + Container ->
 nri_accel.container.ContainerInfo (container_info), the little of each pod and
 container of a Synchronize that is kept while its parts arrive (synced: SyncedPod,
 SyncedContainer), and the lean ContainerInfo of each live container of a Synchronize
@@ -72,10 +72,15 @@ def decode_create(payload: bytes) -> views.CreateContainerRequest | \
 
 
 REQUEST_DECODERS = {"CreateContainer": decode_create,
-                    "Synchronize": views.SynchronizeRequest.FromString}
-"""How a plugin reading containers through this module has the stub decode its large
-requests (the stub's `request_decoders`): as views of every field container_info(),
-container_name(), mentions() and synced() read, and no other."""
+                    "Synchronize": views.SynchronizeRequest.FromString,
+                    "StopContainer": views.StopContainerRequest.FromString,
+                    "RemoveContainer": views.StopContainerRequest.FromString,
+                    "StopPodSandbox": views.StopPodSandboxRequest.FromString,
+                    "RemovePodSandbox": views.StopPodSandboxRequest.FromString}
+"""How a plugin reading containers through this module has the stub decode the requests
+that carry containers (the stub's `request_decoders`): as views of every field
+container_info(), container_name(), mentions() and synced() read, and of the requests
+that end a container or a pod, their ids; no other field."""
 
 
 def is_large(container: Container) -> bool:

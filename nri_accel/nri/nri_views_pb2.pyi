@@ -152,3 +152,31 @@ class Annotation(_message.Message):
     key: str
     value: str
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class StopContainerRequest(_message.Message):
+    __slots__ = ("pod", "container")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    pod: EndedPod
+    container: EndedContainer
+    def __init__(self, pod: _Optional[_Union[EndedPod, _Mapping]] = ..., container: _Optional[_Union[EndedContainer, _Mapping]] = ...) -> None: ...
+
+class StopPodSandboxRequest(_message.Message):
+    __slots__ = ("pod",)
+    POD_FIELD_NUMBER: _ClassVar[int]
+    pod: EndedPod
+    def __init__(self, pod: _Optional[_Union[EndedPod, _Mapping]] = ...) -> None: ...
+
+class EndedPod(_message.Message):
+    __slots__ = ("id", "uid")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    uid: str
+    def __init__(self, id: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
+
+class EndedContainer(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...

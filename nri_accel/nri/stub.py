@@ -38,12 +38,13 @@ that needs little of tens of thousands of containers keeps just that.
 
 Arguments and results are nri_pb2 messages (build them with nri.adjust and read
 them with nri.convert). A plugin that reads little of a large request may say so
-with a `request_decoders` attribute, {"CreateContainer": decode, "Synchronize":
-decode}, each a function of the request's bytes returning a message (raising
-protobuf's DecodeError): a view, one of nri_views_pb2's, which declares only the
-fields the plugin reads, and the handlers get its parts (the fields it leaves out are
-skipped undecoded: most of a container, 40 % of a typical create's decoding time and
-three quarters of a Synchronize's). nri.convert.REQUEST_DECODERS are such functions.
+with a `request_decoders` attribute, {method: decode} ("CreateContainer",
+"Synchronize", "StopContainer", ...), each a function of the request's bytes returning
+a message (raising protobuf's DecodeError): a view, one of nri_views_pb2's, which
+declares only the fields the plugin reads, and the handlers get its parts (the fields
+it leaves out are skipped undecoded: most of a container, 40 % of a typical create's
+decoding time and three quarters of a Synchronize's). nri.convert.REQUEST_DECODERS are
+such functions.
 
 The event mask sent in ConfigureResponse has a bit for each event handler the plugin
 defines; `state_change` stands in for the pure notifications (pod run/stop/remove/
@@ -247,10 +248,8 @@ class Stub:
         self.events = 0  # mask the runtime was sent, once configured
         self.registrations = 0  # successful registrations so far
         self._handlers = _find_handlers(plugin)
-        decoders = getattr(plugin, "request_decoders", {})
-        self._decode_create = decoders.get("CreateContainer",
-                                           pb.CreateContainerRequest.FromString)
-        self._decode_sync = decoders.get("Synchronize", pb.SynchronizeRequest.FromString)
+        self._decoders: Mapping[str, Callable[[bytes], Any]] = getattr(
+            plugin, "request_decoders", {})
         self.handled_events = _handled_mask(self._handlers)
         if not self.handled_events:
             raise StubConfigError(
@@ -431,7 +430,7 @@ class Stub:
             "ValidateContainerAdjustment": self._validate,
         }
         for method, req_type, event, with_container in _NOTIFY_RPCS:
-            services[method] = self._notify_rpc(req_type, event, with_container)
+            services[method] = self._notify_rpc(method, req_type, event, with_container)
         return services
 
     async def _configure(self, ctx: CallContext, payload: bytes) -> bytes:
@@ -468,7 +467,7 @@ class Stub:
             self._configured.set_exception(exc)
 
     def _synchronize(self, ctx: CallContext, payload: bytes) -> Answer:
-        req = _parse(pb.SynchronizeRequest, payload, self._decode_sync)
+        req = _parse(pb.SynchronizeRequest, payload, self._decoders.get("Synchronize"))
         handler = self._handlers.get("synchronize")
         if handler is None:
             return pb.SynchronizeResponse(more=req.more).SerializeToString()
@@ -523,7 +522,7 @@ class Stub:
         handler = self._handlers.get("create_container")
         if handler is None:
             return b""
-        req = _parse(pb.CreateContainerRequest, payload, self._decode_create)
+        req = _parse(pb.CreateContainerRequest, payload, self._decoders.get("CreateContainer"))
         return _call(handler, "CreateContainer", (req.pod, req.container), _created)
 
     def _update_container(self, ctx: CallContext, payload: bytes) -> Answer:
@@ -538,7 +537,7 @@ class Stub:
         handler = self._handlers.get("stop_container")
         if handler is None:
             return b""
-        req = _parse(pb.StopContainerRequest, payload)
+        req = _parse(pb.StopContainerRequest, payload, self._decoders.get("StopContainer"))
         return _call(handler, "StopContainer", (req.pod, req.container), _container_stopped)
 
     def _update_pod_sandbox(self, ctx: CallContext, payload: bytes) -> Answer:
@@ -561,11 +560,13 @@ class Stub:
                 reject=True, reason=str(exc) or type(exc).__name__).SerializeToString()
         return b""
 
-    def _notify_rpc(self, req_type: Any, event: int, with_container: bool) -> Any:
+    def _notify_rpc(self, method: str, req_type: Any, event: int,
+                    with_container: bool) -> Any:
         name = _handler_name(event)
+        decode = self._decoders.get(method)
 
         def serve(ctx: CallContext, payload: bytes) -> Answer:
-            req = _parse(req_type, payload)
+            req = _parse(req_type, payload, decode)
             args = (req.pod, req.container) if with_container else (req.pod,)
             return self._notify(event, name, args)
 
