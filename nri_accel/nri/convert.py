@@ -76,7 +76,8 @@ REQUEST_DECODERS = {"CreateContainer": decode_create,
                     "StopContainer": views.StopContainerRequest.FromString,
                     "RemoveContainer": views.StopContainerRequest.FromString,
                     "StopPodSandbox": views.StopPodSandboxRequest.FromString,
-                    "RemovePodSandbox": views.StopPodSandboxRequest.FromString}
+                    "RemovePodSandbox": views.StopPodSandboxRequest.FromString,
+                    "StateChange": views.StateChangeEvent.FromString}
 """How a plugin reading containers through this module has the stub decode the requests
 that carry containers (the stub's `request_decoders`): as views of every field
 container_info(), container_name(), mentions() and synced() read, and of the requests

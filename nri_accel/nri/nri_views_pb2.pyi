@@ -167,6 +167,16 @@ class StopPodSandboxRequest(_message.Message):
     pod: EndedPod
     def __init__(self, pod: _Optional[_Union[EndedPod, _Mapping]] = ...) -> None: ...
 
+class StateChangeEvent(_message.Message):
+    __slots__ = ("event", "pod", "container")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    event: int
+    pod: EndedPod
+    container: EndedContainer
+    def __init__(self, event: _Optional[int] = ..., pod: _Optional[_Union[EndedPod, _Mapping]] = ..., container: _Optional[_Union[EndedContainer, _Mapping]] = ...) -> None: ...
+
 class EndedPod(_message.Message):
     __slots__ = ("id", "uid")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -573,7 +573,7 @@ class Stub:
         return serve
 
     def _state_change(self, ctx: CallContext, payload: bytes) -> Answer:
-        evt = _parse(pb.StateChangeEvent, payload)
+        evt = _parse(pb.StateChangeEvent, payload, self._decoders.get("StateChange"))
         if evt.event not in NOTIFICATIONS:
             log.debug("state_change_ignored", event=evt.event)
             return b""

@@ -28,7 +28,8 @@ FULL_REQUESTS = {"CreateContainer": pb.CreateContainerRequest,
                  "StopContainer": pb.StopContainerRequest,
                  "RemoveContainer": pb.RemoveContainerRequest,
                  "StopPodSandbox": pb.StopPodSandboxRequest,
-                 "RemovePodSandbox": pb.RemovePodSandboxRequest}
+                 "RemovePodSandbox": pb.RemovePodSandboxRequest,
+                 "StateChange": pb.StateChangeEvent}
 ANNOTATIONS_ENTRY = pb.PodSandbox.DESCRIPTOR.fields_by_name["annotations"].message_type
 
 
@@ -66,7 +67,7 @@ def _mismatches(view: Descriptor, full: Descriptor) -> list[str]:
 
 def test_every_view_field_is_the_nri_field_of_that_name() -> None:
     messages = list(views.DESCRIPTOR.message_types_by_name.values())
-    assert len(messages) == 16
+    assert len(messages) == 17
     assert [m for view in messages for m in _mismatches(view, _counterpart(view))] == []
 
 
@@ -222,4 +223,8 @@ def test_the_requests_that_end_a_container_or_a_pod_are_read_for_their_ids() -> 
         payload = FULL_REQUESTS[method](pod=pod, container=ctr).SerializeToString() \
             if "Container" in method else FULL_REQUESTS[method](pod=pod).SerializeToString()
         services[method](None, payload)
-    assert seen == [("EndedContainer", "c-1")] * 2 + [("EndedPod", pod.id, "u-1")] * 2
+    for event in (pb.REMOVE_CONTAINER, pb.STOP_POD_SANDBOX):  # NRI before v0.7
+        services["StateChange"](None, pb.StateChangeEvent(
+            event=event, pod=pod, container=ctr).SerializeToString())
+    assert seen == [("EndedContainer", "c-1")] * 2 + [("EndedPod", pod.id, "u-1")] * 2 + [
+        ("EndedContainer", "c-1"), ("EndedPod", pod.id, "u-1")]
