@@ -61,8 +61,8 @@ _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # envelope around the adjustment (field tags and lengths, the status).
 MAX_ADJUSTMENT_BYTES = MAX_MESSAGE_SIZE - 1024
 RESTORE_SLICE = 100  # granted containers restored between two turns of the event loop
-# The annotations of a container the Engine reads: those of its pod, and the CRI
-# metadata CRI-O names it in (convert.container_name).
+# The keys of a container's own annotations that are read: those read of its pod's
+# (ANNOTATION_PREFIXES), and the CRI metadata CRI-O names it in (convert.container_name).
 _CONTAINER_KEYS = (*ANNOTATION_PREFIXES, convert.CRIO_METADATA)
 
 log = logging_setup.get_logger(__name__)
