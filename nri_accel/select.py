@@ -79,6 +79,7 @@ class Selection:
     notes: tuple[str, ...] = ()
     granted_by: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     keys: frozenset[str] = frozenset()  # of devices and passthrough; select() fills it in
+    device_keys: tuple[str, ...] = ()  # of devices, in their order; select() fills it in
 
     @property
     def held(self) -> frozenset[str]:
@@ -101,7 +102,8 @@ class DeviceIndex:
     """
 
     __slots__ = ("_all", "_choices", "_countable", "_describe", "_members", "_memos", "_pci",
-                 "_pos", "by_key", "devices", "inventory", "keys", "names", "topology")
+                 "_pos", "by_key", "devices", "families", "inventory", "keys", "names",
+                 "topology")
 
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
@@ -109,6 +111,7 @@ class DeviceIndex:
         self.devices = devices
         self.keys = tuple(d.key for d in devices)  # each position's Device.key
         self.names = tuple(d.qualified_name for d in devices)  # and qualified name
+        self.families = tuple(family_of(d.kind).name for d in devices)  # and family
         self.by_key = MappingProxyType(dict(zip(self.keys, devices, strict=True)))
         # Keyed by identity: these Device objects are the inventory's own, kept alive by it.
         self._pos = MappingProxyType({id(d): i for i, d in enumerate(devices)})
@@ -295,13 +298,15 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
         keys[p] for p in order
         if p not in specific or p in shared or granted[p].kind in shared_kinds])
     held_passthrough: tuple[Device, ...] = ()
-    held = [keys[p] for p in order]
+    device_keys = tuple([keys[p] for p in order])
+    held = frozenset(device_keys)
     if passthrough:
         held_passthrough = tuple([passthrough[p] for p in sorted(passthrough)])
-        held += [keys[p] for p in passthrough]
+        held |= frozenset([keys[p] for p in passthrough])
         shared_keys |= frozenset([d.key for d in held_passthrough if d.kind in shared_kinds])
     return Selection(
-        keys=frozenset(held),
+        keys=held,
+        device_keys=device_keys,
         devices=devices,
         shared=shared_keys,
         cdi_devices=request.cdi_names if cdi_passthrough else (),
@@ -341,9 +346,10 @@ def _check_families(request: Request, index: DeviceIndex, granted: Mapping[int, 
     the positions `order`; those at `specific` named or counted): for every family with
     a device granted, or asked for its driver alone."""
     by_family: dict[str, tuple[list[Device], list[Device]]] = {}
+    families = index.families
     for p in order:
         d = granted[p]
-        mine, named = by_family.setdefault(family_of(d.kind).name, ([], []))
+        mine, named = by_family.setdefault(families[p], ([], []))
         mine.append(d)
         if p in specific:
             named.append(d)
