@@ -63,7 +63,7 @@ MAX_ADJUSTMENT_BYTES = MAX_MESSAGE_SIZE - 1024
 RESTORE_SLICE = 100  # granted containers restored between two turns of the event loop
 # The keys of a container's own annotations that are read: those read of its pod's
 # (ANNOTATION_PREFIXES), and the CRI metadata CRI-O names it in (convert.container_name).
-_CONTAINER_KEYS = (*ANNOTATION_PREFIXES, convert.CRIO_METADATA)
+CONTAINER_KEYS = (*ANNOTATION_PREFIXES, convert.CRIO_METADATA)
 
 log = logging_setup.get_logger(__name__)
 
@@ -142,7 +142,7 @@ class AccelPlugin:
         event loop free in between (the whole would hold it 10 to 100 ms), then planned
         as any other (one that asks nothing too: such a request is rare)."""
         steps = convert.large_container_info(pod, container, ENV_SCOPE, ANNOTATION_PREFIXES,
-                                             _CONTAINER_KEYS)
+                                             CONTAINER_KEYS)
         while True:
             await asyncio.sleep(0)  # the first turn: decoding the request held the loop
             try:

@@ -14,7 +14,12 @@ Properties:
 - the request is decoded as the daemon decodes it, as its view (api/nri_views.proto);
   where the whole message decodes too, it reads as the same container; the large view
   (annotations as their map entries, for requests over convert.LARGE_REQUEST bytes)
-  decodes exactly the bytes the view decodes, to the same annotations;
+  decodes exactly the bytes the view decodes, to the same annotations but for an entry
+  holding an unknown field (protobuf's Python decoding of a map sets such an entry
+  aside among the message's unknown fields; Go's, the runtime's, keeps its key and
+  value, and so does the large view); where there is none, what the daemon reads of
+  the large view a slice at a time (convert.large_container_info) plans as the view
+  does: the same answer, or the same refusal;
 - planning and building the answer raise only NriAccelError subclasses (never
   InternalError, the wrapper of a bug), with a `source` their text starts with;
 - a refused request changes no Engine state: the holdings and their version are as
@@ -24,20 +29,26 @@ Properties:
 from __future__ import annotations
 
 import functools
+from collections.abc import Generator
+from typing import Any
 
 from demo_node import demo_inventory
 from fuzz_inputs import annotations, env, mixed_inventory, namespace
 from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 from hypothesis import given
 from hypothesis import strategies as st
 
 from nri_accel.config import Config, PolicyConfig
-from nri_accel.engine import Engine
+from nri_accel.container import ContainerInfo
+from nri_accel.engine import ENV_SCOPE, Engine
 from nri_accel.errors import InternalError, NriAccelError
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri import nri_views_pb2 as views
 from nri_accel.nri.adjust import build_adjustment
-from nri_accel.nri.convert import REQUEST_DECODERS, container_info
+from nri_accel.nri.convert import REQUEST_DECODERS, container_info, large_container_info
+from nri_accel.plugin import CONTAINER_KEYS
+from nri_accel.request import ANNOTATION_PREFIXES
 
 CONFIGS = {
     "kubernetes": Config(),
@@ -114,9 +125,17 @@ def create(eng: Engine, data: bytes) -> None:
     assert (req is None) == (large is None)
     if req is None or large is None:
         return
+    set_aside = False  # an entry holding an unknown field
     for mine, entries in ((req.pod, large.pod), (req.container, large.container)):
-        assert {a.key: a.value for a in entries.annotations} == dict(mine.annotations)
+        unknown = [len(UnknownFieldSet(a)) > 0 for a in entries.annotations]
+        assert {a.key: a.value for a, odd in zip(entries.annotations, unknown, strict=True)
+                if not odd} == dict(mine.annotations)
+        set_aside |= any(unknown)
     info = container_info(req.pod, req.container)
+    steps = large_container_info(large.pod, large.container, ENV_SCOPE, ANNOTATION_PREFIXES,
+                                 CONTAINER_KEYS)
+    if not set_aside:
+        assert planned(eng, _value(steps)) == planned(eng, info)
     try:
         full = pb.CreateContainerRequest.FromString(data)
     except DecodeError:  # damage in a field the view skips: the daemon never reads it
@@ -132,6 +151,25 @@ def create(eng: Engine, data: bytes) -> None:
         assert not isinstance(err, InternalError)
         assert err.source and str(err).startswith(err.source + ": ")
         assert (eng.holdings.grants(), eng.holdings.version) == before
+
+
+def _value(steps: Generator[None, None, ContainerInfo]) -> ContainerInfo:
+    """What large_container_info() returns, its steps taken one after the other."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def planned(eng: Engine, info: ContainerInfo) -> tuple[Any, ...]:
+    """Engine.plan's answer for `info` (nothing recorded), or its refusal."""
+    try:
+        plan = eng.plan(info)
+    except NriAccelError as err:
+        return type(err).__name__, str(err)
+    return (plan.devices, plan.edits, plan.annotations, plan.cdi_devices, plan.unset_env,
+            plan.notes)
 
 
 node = st.sampled_from(sorted(NODES))

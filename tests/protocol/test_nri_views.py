@@ -173,6 +173,22 @@ def test_the_stub_decodes_as_the_plugin_asks_and_in_full_otherwise() -> None:
                                 f"{package}.{synced}"]
 
 
+def test_an_annotation_entry_with_an_unknown_field_is_kept_by_the_large_view_only() -> None:
+    # Found by the NRI fuzz target: protobuf's Python decoding of a map sets aside an
+    # entry holding a field other than key and value (among the message's unknown
+    # fields); Go's keeps its key and value, and so does the large view. A runtime
+    # never writes such an entry.
+    odd = views.Annotation.FromString(b"\n\x0ccdi.k8s.io/x\x12\x01v\xd8\x01\x20")
+    large = views.LargeCreateContainerRequest()
+    large.container.annotations.append(odd)
+    large.container.annotations.add(key="devices.nri-accel.io", value="")
+    payload = large.SerializeToString()
+    assert dict(views.CreateContainerRequest.FromString(payload).container.annotations) == {
+        "devices.nri-accel.io": ""}
+    assert [(a.key, a.value) for a in views.LargeCreateContainerRequest.FromString(
+        payload).container.annotations] == [("cdi.k8s.io/x", "v"), ("devices.nri-accel.io", "")]
+
+
 def test_a_create_over_large_request_bytes_is_decoded_as_the_large_view() -> None:
     def create(filler: int) -> bytes:
         pod = make_pod({"name": "p", "annotations": {"filler": "x" * filler}})
