@@ -464,8 +464,7 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
           mount_destinations: frozenset[str] = frozenset()) -> Built:
     """The edits for one container. Raises AllocationError for a refused inventory edit,
     RequestError for a container LD_LIBRARY_PATH too long to extend."""
-    key = (selection.device_keys or tuple(d.key for d in selection.devices), request.options,
-           request.drivers_only, request.visible)
+    key = (selection.device_keys, request.options, request.drivers_only, request.visible)
     common = catalog.memo.get(key)
     if common is None:
         common = _common(selection, request, catalog)
