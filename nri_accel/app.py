@@ -2,7 +2,7 @@
 
 Owns: App (the configuration with its command-line overrides, logging, the inventory
 source and its refresher) and the checks of what the command line names. Imports the
-standard library, nri_accel.config, nri_accel.errors, nri_accel.inventory,
+standard library, msgspec, nri_accel.config, nri_accel.errors, nri_accel.inventory,
 nri_accel.log and nri_accel.metrics (the address, not the server); nri_accel.discover
 only when a verb discovers, so `run --inventory FILE` and `explain --inventory FILE`
 never load a discoverer.
@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import IO, TYPE_CHECKING, Any
+
+from msgspec import Struct
+from msgspec.structs import replace
 
 from nri_accel import log as logging_setup
 from nri_accel.config import Config, load_config
@@ -39,8 +41,7 @@ REPORT = "error"  # logs errors only (debug if configured): stdout is the output
 DRY_RUN = "warning"  # logs warnings and up (debug if configured)
 
 
-@dataclass(slots=True)
-class App:
+class App(Struct):
     """One verb's configuration and inventory source."""
 
     config: Config

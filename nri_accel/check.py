@@ -1,7 +1,7 @@
 """`nri-accel check`: would `run` work on this node? Validate the configuration, discover
 the node, talk NRI to the runtime and read the runtime's NRI configuration.
 
-Owns: the checks, the NRI probe and their report. Imports the standard library,
+Owns: the checks, the NRI probe and their report. Imports the standard library, msgspec,
 nri_accel.app, nri_accel.nri.stub (the Stub through its public API only: constructor,
 run(), stop(), runtime), nri_accel.runtime_config and nri_accel.state (the record `run`
 keeps of its registration).
@@ -42,8 +42,9 @@ import errno
 import os
 import socket
 import stat
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from msgspec import Struct
 
 from nri_accel import runtime_config as rc
 from nri_accel.app import REPORT, App
@@ -89,8 +90,7 @@ class ProbePlugin:
         """The one subscription (see the module docstring); nothing to do."""
 
 
-@dataclass(frozen=True, slots=True)
-class ProbeResult:
+class ProbeResult(Struct, frozen=True):
     identity: Identity
     runtime: RuntimeInfo | None  # None: no Configure
     configures: int = 0

@@ -1,6 +1,6 @@
 """Configuration: the TOML file (default /etc/nri-accel/config.toml) as a frozen Config.
 
-Owns: the config keys, their defaults and validation. Imports the standard library,
+Owns: the config keys, their defaults and validation. Imports the standard library, msgspec,
 nri_accel.errors and nri_accel.inventory (the CDI syntax of static device kinds and
 names, which requests must be able to name) and nri_accel.metrics (the address
 syntax; not its server module, which loads prometheus_client). Reads one file.
@@ -80,8 +80,9 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field
 from typing import Any
+
+from msgspec import Struct, field
 
 from nri_accel.errors import ConfigError
 from nri_accel.inventory import DEVICE_NAME_RE, KIND_RE
@@ -96,21 +97,18 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyConfig:
+class PolicyConfig(Struct, frozen=True):
     mode: str = "kubernetes"
     trusted_namespaces: frozenset[str] = frozenset()
 
 
-@dataclass(frozen=True, slots=True)
-class NriConfig:
+class NriConfig(Struct, frozen=True):
     socket: str = DEFAULT_SOCKET
     name: str = "nri-accel"
     idx: str = "40"
 
 
-@dataclass(frozen=True, slots=True)
-class DevicesConfig:
+class DevicesConfig(Struct, frozen=True):
     cdi_passthrough: bool = False
     hooks: bool = False
     hook_path: str = ""
@@ -121,8 +119,7 @@ MIG_STRATEGIES = ("none", "single", "mixed")
 MAX_REPLICAS = 1024
 
 
-@dataclass(frozen=True, slots=True)
-class DevicePluginConfig:
+class DevicePluginConfig(Struct, frozen=True):
     """[device_plugin]: how the kubelet device plugin advertises the devices.
 
     mig_strategy: NVIDIA's (k8s-device-plugin): "none" advertises whole GPUs only,
@@ -172,42 +169,36 @@ def extended_resource_name_error(name: str) -> str:
     return ""
 
 
-@dataclass(frozen=True, slots=True)
-class DiscoveryConfig:
+class DiscoveryConfig(Struct, frozen=True):
     cdi_spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
     driver_root: str = "/"
     refresh_interval: float = 10.0
     create_device_nodes: bool = False  # create missing nvidia-caps nodes, /dev/char links
 
 
-@dataclass(frozen=True, slots=True)
-class HealthConfig:
+class HealthConfig(Struct, frozen=True):
     enabled: bool = True
     ignored_xids: frozenset[int] = frozenset()
     recheck_interval: float = 60.0
 
 
-@dataclass(frozen=True, slots=True)
-class LogConfig:
+class LogConfig(Struct, frozen=True):
     level: str = "info"
     format: str = "auto"
 
 
-@dataclass(frozen=True, slots=True)
-class MetricsConfig:
+class MetricsConfig(Struct, frozen=True):
     address: str = ""  # validated HOST:PORT (nri_accel.metrics.parse_address); "" = off
 
 
-@dataclass(frozen=True, slots=True)
-class StaticDevice:
+class StaticDevice(Struct, frozen=True):
     kind: str
     name: str
     device_nodes: tuple[str, ...] = ()
     env: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Config:
+class Config(Struct, frozen=True):
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     nri: NriConfig = field(default_factory=NriConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)

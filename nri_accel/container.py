@@ -1,17 +1,17 @@
 """What the runtime says about one container: the plain input of the request pipeline.
 
-Owns: ContainerInfo. Imports only the standard library. No logic: nri/convert.py builds
+Owns: ContainerInfo. Imports only the standard library and msgspec. No logic: nri/convert.py builds
 it from NRI's protobuf pod and container, explain from a Pod manifest, tests by hand.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerInfo:
+class ContainerInfo(Struct, frozen=True):
     """One container being created, as plain data."""
 
     namespace: str

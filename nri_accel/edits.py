@@ -4,7 +4,7 @@ Owns: the Catalog (every device's and driver capability's edits, checked and nor
 once per inventory, and each family's tables), build() (Selection x Request x container
 -> ContainerEdits: the final order, de-duplicated once), the safety rules for what may be
 emitted (check_edits and its parts check_node, check_mount, ...; the mount denylist
-FORBIDDEN_SOURCES), and the container env the edits write. Imports the standard library,
+FORBIDDEN_SOURCES), and the container env the edits write. Imports the standard library, msgspec,
 nri_accel.config (types), nri_accel.errors, nri_accel.inventory, nri_accel.policy (the
 Request), nri_accel.select (the Selection), nri_accel.errors and nri_accel.vendors. Pure:
 no I/O, no logging.
@@ -60,6 +60,8 @@ from dataclasses import dataclass, field, replace
 from operator import methodcaller
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+from msgspec import Struct
 
 from nri_accel.errors import RequestError
 from nri_accel.inventory import (
@@ -429,8 +431,7 @@ def _lib_dirs(mounts: Iterable[Mount]) -> tuple[str, ...]:
 # ---- build ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Common:
+class _Common(Struct, frozen=True):
     """The part of a container's edits that depends only on what it was granted (memoised
     per Catalog); build() adds what depends on the container itself."""
 
@@ -449,8 +450,7 @@ class _Common:
     mount_paths: frozenset[str]  # the mounts' container paths (as its own mount does)
 
 
-@dataclass(frozen=True, slots=True)
-class Built:
+class Built(Struct, frozen=True):
     """One container's edits, what its env loses, and what was left out or noted."""
 
     edits: ContainerEdits

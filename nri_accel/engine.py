@@ -1,7 +1,7 @@
 """The Engine: one container's request to its Plan, and who holds which device.
 
 Owns: Plan, Engine (per-inventory tables, the Holdings, planning, committing, releasing
-and restoring grants) and the grant annotations. Imports the standard library,
+and restoring grants) and the grant annotations. Imports the standard library, msgspec,
 nri_accel.config, nri_accel.container, nri_accel.edits, nri_accel.errors,
 nri_accel.inventory, nri_accel.log, nri_accel.policy, nri_accel.request,
 nri_accel.select, nri_accel.state and nri_accel.vendors (parent_of).
@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
 
+from msgspec import Struct
+
 from nri_accel.config import Config
 from nri_accel.container import ContainerInfo
 from nri_accel.edits import ENV_PREFIXES as EDITS_ENV_PREFIXES
@@ -63,8 +65,7 @@ holds only those entries gets the same Plan, but for equal values written again
 (nri_accel.nri.convert keeps only them of a large env)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(Struct, frozen=True):
     """What one container gets: the devices, the edits, the grant annotations, and the
     Grant that commit() records."""
 
@@ -76,7 +77,7 @@ class Plan:
     unset_env: tuple[str, ...] = ()  # variables removed from the container's env
     notes: tuple[str, ...] = ()
     facts: tuple[tuple[str, str], ...] = ()  # per family ("capabilities", ...)
-    granted_by: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    granted_by: Mapping[str, str] = MappingProxyType({})
     checked_at: int = -1  # Holdings.version when plan() checked the grant
 
     @property

@@ -2,7 +2,7 @@
 
 Owns: main_explain(args), the Pod-manifest reader (read_manifests, pod_containers), the
 simulated kubelet device manager (KubeletDevices) and the readable rendering of a Plan.
-Imports the standard library, PyYAML, nri_accel.app, nri_accel.config,
+Imports the standard library, msgspec, PyYAML, nri_accel.app, nri_accel.config,
 nri_accel.container, nri_accel.deviceplugin.resources (pure, no grpc), nri_accel.engine,
 nri_accel.errors, nri_accel.inventory, and lazily nri_accel.nri.adjust (for --json, the
 one builder of a ContainerAdjustment).
@@ -47,11 +47,11 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import IO, Any
 
 import yaml
+from msgspec import Struct
 
 from nri_accel.app import DRY_RUN, App
 from nri_accel.config import Config
@@ -72,8 +72,7 @@ WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSe
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class PodContainer:
+class PodContainer(Struct, frozen=True):
     """One container of a manifest as CreateContainer would see it, and what the
     manifest could not say (valueFrom env entries)."""
 
@@ -224,8 +223,7 @@ def _pods_of(doc: Any, where: str) -> list[dict[str, Any]]:
                       source=where)
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceRequest:
+class DeviceRequest(Struct, frozen=True):
     """One container's asks for nri-accel resources, as kubelet's device manager sees
     them: resource name -> count (limits, else requests; kubelet reads the limits, which
     the API server requires for extended resources and copies into the requests)."""

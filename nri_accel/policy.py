@@ -3,7 +3,7 @@
 Owns: Verdict, Policy, Request and Policy.apply() (one container's parsed sources ->
 what is granted, what only narrows, the notes), and own_annotations() (which of a
 container's annotations are its own, for rebuilding grants). Imports the standard
-library, nri_accel.config (types), nri_accel.container, nri_accel.errors,
+library, msgspec, nri_accel.config (types), nri_accel.container, nri_accel.errors,
 nri_accel.request and nri_accel.syntax. Pure: no I/O. This is the one module that decides
 trust (DESIGN.md, "Trust model"); request.py only parses, the other stages act on the
 Request.
@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 from nri_accel.container import ContainerInfo
 from nri_accel.errors import PolicyError
@@ -64,8 +65,7 @@ class Verdict(enum.Enum):
     IGNORE = "ignore"  # drop it and say why in Request.notes
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
+class Request(Struct, frozen=True):
     """What one container gets asked for, after the trust policy.
 
     Limits narrow the grants of the same vendor: the devices granted for a vendor are
@@ -94,8 +94,7 @@ class Request:
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class Policy:
+class Policy(Struct, frozen=True):
     mode: str = MODE_KUBERNETES
     trusted_namespaces: frozenset[str] = frozenset()
 

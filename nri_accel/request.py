@@ -3,7 +3,7 @@
 Owns: Origin, Source, Parsed, parse() and the syntax of every annotation nri-accel reads
 (the user-facing reference is README.md, "Requesting devices"). The env grammars are the
 vendor profiles' (nri_accel.vendors): parse() hands each family the variables it reads.
-Imports the standard library, PyYAML (the NRI device-injector's YAML list annotation:
+Imports the standard library, msgspec, PyYAML (the NRI device-injector's YAML list annotation:
 only when a pod carries one, so `run` starts without it), nri_accel.container,
 nri_accel.errors, nri_accel.syntax and nri_accel.vendors. Pure: no I/O, no logging, same
 input -> same Parsed. Who may grant what is decided by nri_accel.policy from what this
@@ -42,9 +42,10 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
 from functools import lru_cache
 from operator import methodcaller
+
+from msgspec import Struct
 
 from nri_accel.container import ContainerInfo
 from nri_accel.errors import RequestError
@@ -107,8 +108,7 @@ class Origin(enum.Enum):
     ENV = "env requests"
 
 
-@dataclass(frozen=True, slots=True)
-class Source:
+class Source(Struct, frozen=True):
     """One request source: its claims and what else it asks."""
 
     origin: Origin
@@ -119,8 +119,7 @@ class Source:
     also_on_pod: bool = False  # a container annotation the pod sets with another value
 
 
-@dataclass(frozen=True, slots=True)
-class Parsed:
+class Parsed(Struct, frozen=True):
     """Everything one container asks, before the trust policy."""
 
     sources: tuple[Source, ...]  # container annotations, pod annotations, env
@@ -129,8 +128,7 @@ class Parsed:
     visible: frozenset[str] = frozenset()  # families whose visibility variable env sets
 
 
-@dataclass(frozen=True, slots=True)
-class _EnvPart:
+class _EnvPart(Struct, frozen=True):
     """Everything the env alone decides (memoised per env: containers of one image and
     pod spec share it)."""
 

@@ -2,8 +2,8 @@
 
 Owns: reading containerd's and CRI-O's configuration through a HostRoot (so that
 `check --root /host` reads the node's files from a DaemonSet), the NRI settings they
-give (NriView), and the findings `check` prints about them. Imports the standard library
-only (the HostRoot comes from the caller). Never raises for a file's content: a file
+give (NriView), and the findings `check` prints about them. Imports the standard library and
+msgspec only (the HostRoot comes from the caller). Never raises for a file's content: a file
 that is not valid TOML, or a key of the wrong type, is a finding that names the file.
 
 A finding is a (level, text) pair, level "ok", "info", "warn" or "error". These are
@@ -59,8 +59,9 @@ import re
 import stat
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from msgspec import Struct
 
 if TYPE_CHECKING:
     from nri_accel.discover.hostroot import HostRoot
@@ -90,8 +91,7 @@ CRIO_NRI_ON = (1, 30)  # CRI-O that turns NRI on by default
 CRIO_VALIDATOR = (1, 34)  # CRI-O with NRI's default validator
 
 
-@dataclass(frozen=True, slots=True)
-class Keys:
+class Keys(Struct, frozen=True):
     """A runtime's names for the NRI settings."""
 
     runtime: str
@@ -130,8 +130,7 @@ CRIO_KEYS = Keys(
     tolerate="default_validator.nri_validator_tolerate_missing_plugins_annotation")
 
 
-@dataclass(frozen=True, slots=True)
-class RuntimeFiles:
+class RuntimeFiles(Struct, frozen=True):
     """The NRI section of one runtime's configuration, as its files set it.
 
     `values` maps a key ("disable", "default_validator.enable") to (value, the host path
@@ -151,8 +150,7 @@ class RuntimeFiles:
         return self.keys.runtime
 
 
-@dataclass(frozen=True, slots=True)
-class NriView:
+class NriView(Struct, frozen=True):
     """The NRI settings a runtime of a given version gets from its files (defaults
     filled in). None where it depends on a version that is not known."""
 
@@ -168,7 +166,7 @@ class NriView:
     validator: bool | None  # None: this runtime version has none, or it is unknown
     required_plugins: tuple[str, ...] = ()
     tolerate: str = ""
-    problems: tuple[str, ...] = field(default=())
+    problems: tuple[str, ...] = ()
 
 
 # ---- reading ---------------------------------------------------------------------------
@@ -469,8 +467,7 @@ def view(files: RuntimeFiles, version: tuple[int, ...] | None = None) -> NriView
 
 # ---- findings ------------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class Live:
+class Live(Struct, frozen=True):
     """What the runtime on the socket told the probe (nri_accel.check), if it answered."""
 
     name: str

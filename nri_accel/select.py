@@ -2,7 +2,7 @@
 
 Owns: resolving device ids against the Inventory (DeviceIndex), serving counts (the
 choice itself is nri_accel.topology's), limits, the family rules' call points, and the
-Selection record. Imports the standard library, nri_accel.errors, nri_accel.inventory,
+Selection record. Imports the standard library, msgspec, nri_accel.errors, nri_accel.inventory,
 nri_accel.policy (the Request), nri_accel.syntax, nri_accel.topology and nri_accel.vendors.
 Pure functions over frozen data: no I/O, no NVML, no logging. Who holds what lives in
 nri_accel.state and comes in as `busy`; the exclusivity rule itself is decided there.
@@ -41,9 +41,10 @@ its own rules through its profile, see nri_accel.vendors.base):
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from msgspec import Struct
 
 from nri_accel.errors import AllocationError, NotFoundError, PolicyError
 from nri_accel.inventory import Device, Inventory, parse_pci_bus_id, vendor_of
@@ -60,8 +61,7 @@ _CHOICES_SIZE = 4096  # count choices remembered per inventory before starting o
 REPLICA_SEPARATOR = "::"  # kubelet time-slicing replica ids: "<device id>::<n>"
 
 
-@dataclass(frozen=True, slots=True)
-class Selection:
+class Selection(Struct, frozen=True):
     """The devices one container gets.
 
     devices: granted, in inventory order (kind, then natural order of name).
@@ -77,7 +77,7 @@ class Selection:
     cdi_devices: tuple[str, ...] = ()
     passthrough: tuple[Device, ...] = ()
     notes: tuple[str, ...] = ()
-    granted_by: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    granted_by: Mapping[str, str] = MappingProxyType({})
     keys: frozenset[str] = frozenset()  # of devices and passthrough; select() fills it in
     device_keys: tuple[str, ...] = ()  # of devices, in their order; select() fills it in
 

@@ -4,7 +4,7 @@ the node state `run` shares with the device plugin.
 Owns: Grant, Holdings (the allocation state and THE exclusivity rule), the checkpoint
 file format, its atomic write and its writer (CheckpointWriter: after each change, off
 the event loop), and the NRI side's registration record (NriStatus).
-Imports the standard library, nri_accel.errors and nri_accel.log. Holdings is pure
+Imports the standard library, msgspec, nri_accel.errors and nri_accel.log. Holdings is pure
 in-memory state; only Checkpoint and NriStatus touch files, and nothing here runs on the
 CreateContainer path except Holdings' dictionary work.
 
@@ -53,8 +53,9 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
+
+from msgspec import Struct, field
 
 from nri_accel.errors import AllocationError, StateError
 from nri_accel.log import get_logger
@@ -69,8 +70,7 @@ MAX_CHECKPOINT_BYTES = 64 << 20
 _MAX_LISTED = 4
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
+class Grant(Struct, frozen=True):
     """What one container holds."""
 
     container_id: str
@@ -122,8 +122,7 @@ def _listed(grants: Iterable[Grant]) -> str:
     return ", ".join(names[:_MAX_LISTED]) + more
 
 
-@dataclass(slots=True)
-class Holdings:
+class Holdings(Struct):
     """Which running container holds which device. Not thread-safe: the Engine
     serialises calls. `known` is False while the state cannot be known (an unreadable
     checkpoint, no Synchronize yet)."""
@@ -402,8 +401,7 @@ def boottime() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
-@dataclass(frozen=True, slots=True)
-class NriStatus:
+class NriStatus(Struct, frozen=True):
     """The NRI side's registration as `run` records it for the device plugin
     (`<state dir>/nri-plugin.json`): written on every change and refreshed every
     HEARTBEAT seconds while it runs."""

@@ -3,7 +3,7 @@
 Owns: DeviceClaim (devices of one kind that one source names), ClaimSet (the
 accumulator that refuses conflicting forms), the checks every user-supplied value goes
 through (size, control characters, names shown escaped) and the id-list rules (ids are
-names, never paths; ranges such as 0-3). Imports the standard library,
+names, never paths; ranges such as 0-3). Imports the standard library, msgspec,
 nri_accel.errors and nri_accel.inventory (the CDI syntax of kinds and device names, and
 vendor_of). Pure: no I/O.
 
@@ -19,7 +19,8 @@ key or variable name shown escaped and cut.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 from nri_accel.errors import RequestError
 from nri_accel.inventory import DEVICE_NAME_RE, KIND_RE, vendor_of
@@ -36,8 +37,7 @@ _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _CONTROL_EXCEPT_NL_RE = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceClaim:
+class DeviceClaim(Struct, frozen=True):
     """Devices of one kind that one source names.
 
     Exactly one form: `ids` (as written, ranges expanded, duplicates dropped, order

@@ -5,7 +5,7 @@ direct links (NVLink, NeuronLink), and the bound on the work that choice may cos
 Engine's count allocator (nri_accel.select) and the device plugin's
 GetPreferredAllocation (nri_accel.deviceplugin.resources) both call choose(), so a
 container gets the same devices whichever of the two decides. Imports only the
-standard library. Pure functions over integers: devices are positions (0..n-1, the
+standard library and msgspec. Pure functions over integers: devices are positions (0..n-1, the
 caller's inventory order), sets of devices and links are bit masks.
 
 How (n devices, k = the devices still needed once `must` is counted, m = the free
@@ -37,7 +37,8 @@ greedy steps; tests/bench/bench_topology.py prints the figures (a few millisecon
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 # Greedy steps (one device added to a set grown from a seed) a choose() call may spend
 # beyond one seed per node: exhaustive for every 8-GPU node and NeuronLink ring of 32,
@@ -45,8 +46,7 @@ from dataclasses import dataclass
 BUDGET = 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Topology:
+class Topology(Struct, frozen=True):
     """The facts choose() weighs, per position: `numa`, the device's NUMA node (None:
     unknown; those devices form one group of their own), and `links`, the bit mask of
     the positions it is directly linked to (symmetric, never itself)."""

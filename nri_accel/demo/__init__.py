@@ -3,7 +3,7 @@
 Owns: the demo nodes (NODES: each a saved inventory and its pods, one configuration for
 all), the demo run and its printout. Imports explain (Pod manifests, the simulated
 kubelet), nri.simulator (the runtime side of NRI), nri.adjust (JSON rendering), config,
-inventory, log and the standard library; at module level only the standard library
+inventory, log and the standard library; at module level only the standard library and msgspec
 (the CLI reads NODES for its --node choices).
 
 The daemon is started exactly as an operator would (`nri-accel run --socket ...`) as a
@@ -29,16 +29,16 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from msgspec import Struct
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "config.toml"
 
 
-@dataclass(frozen=True, slots=True)
-class Node:
+class Node(Struct, frozen=True):
     """One built-in demo node: a saved Inventory and the pods created on it."""
 
     inventory: Path

@@ -3,7 +3,7 @@
 Owns: which extended resources nri-accel advertises and under which device IDs, the
 choice of a preferred allocation, and the trusted grant annotation that Allocate writes
 (its key and value; nri_accel.request reads it back). Pure functions over
-frozen dataclasses: no grpc, no I/O. Imports the standard library, nri_accel.config,
+frozen records: no grpc, no I/O. Imports the standard library, msgspec, nri_accel.config,
 nri_accel.errors, nri_accel.inventory, nri_accel.request (the grant annotation key),
 nri_accel.select (the replica ID separator), nri_accel.topology (the choice itself,
 shared with the Engine) and nri_accel.vendors (each family's resource names), never
@@ -45,6 +45,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from msgspec import Struct
+
 from nri_accel.config import Config, extended_resource_name_error
 from nri_accel.errors import AllocationError
 from nri_accel.inventory import Device, Inventory, Problem
@@ -64,8 +66,7 @@ UNHEALTHY = "Unhealthy"
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
 
 
-@dataclass(frozen=True, slots=True)
-class PluginDevice:
+class PluginDevice(Struct, frozen=True):
     """One device as kubelet sees it."""
 
     id: str  # kubelet device ID: Device.stable_id
@@ -116,8 +117,7 @@ class Resource:
         return grant_annotation_key(self.name)
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
+class Grant(Struct, frozen=True):
     """What Allocate answers for one container."""
 
     annotations: Mapping[str, str]

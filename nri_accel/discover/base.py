@@ -3,7 +3,7 @@
 Owns: the Found record, lstat_device() and host_device_node(), the one way a discoverer
 turns a host device node into a DeviceNode (type, major and minor from lstat; symlinks
 refused).
-Imports the standard library, nri_accel.errors, nri_accel.inventory and
+Imports the standard library, msgspec, nri_accel.errors, nri_accel.inventory and
 nri_accel.discover.hostroot.
 """
 
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import Device, DeviceNode, Driver, Problem
 
 
-@dataclass(frozen=True, slots=True)
-class Found:
+class Found(Struct, frozen=True):
     """One discoverer's result. A discoverer never raises for a missing or broken
     vendor: it returns what it could find and a Problem saying why the rest is absent."""
 

@@ -1,6 +1,6 @@
 """Just enough ELF reading to name a shared library: class, machine and DT_SONAME.
 
-Owns: `read_elf(path)`. Imports only the standard library. Never raises for a file
+Owns: `read_elf(path)`. Imports only the standard library and msgspec. Never raises for a file
 that is not ELF or is malformed: it answers None, and the caller falls back to the
 soname symlink or the file name (driver roots in tests hold empty placeholders).
 Reads the headers and the dynamic section only, never the whole file.
@@ -9,8 +9,9 @@ Reads the headers and the dynamic section only, never the whole file.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import BinaryIO
+
+from msgspec import Struct
 
 _PT_LOAD = 1
 _PT_DYNAMIC = 2
@@ -21,8 +22,7 @@ _MAX_PHNUM = 256
 _MAX_DYNAMIC = 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class ElfInfo:
+class ElfInfo(Struct, frozen=True):
     """Identity of an ELF file: 32 or 64 bits, e_machine (62 x86-64, 183 aarch64, 3 i386),
     and its DT_SONAME ("" when it has none)."""
 

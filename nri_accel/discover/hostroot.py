@@ -6,7 +6,7 @@ process, chroot-style path resolution that never leaves a root (walk_in_root, al
 used by ldcache; HostRoot.resolve, where a CDI bind mount's source leads), and the few
 writes discovery may make to the host (makedirs(), mknod_char(), symlink(): a family
 creating device nodes the driver left uncreated, only where the configuration allows
-it). Imports only the standard library.
+it). Imports only the standard library and msgspec.
 
 A daemon on the node uses HostRoot("/"); a DaemonSet that mounts the host at /host
 uses HostRoot("/host"); tests point it at a temporary tree. Paths that nri-accel
@@ -23,8 +23,9 @@ import errno
 import os
 import stat
 from collections import deque
-from dataclasses import dataclass
 from pathlib import PurePosixPath
+
+from msgspec import Struct
 
 MAX_SYMLINK_HOPS = 40  # as the kernel (MAXSYMLINKS)
 
@@ -75,8 +76,7 @@ def walk_in_root(base: str, path: str, start: str = "/", *, follow_last: bool = 
     return "/" + "/".join(parts)
 
 
-@dataclass(frozen=True, slots=True)
-class HostRoot:
+class HostRoot(Struct, frozen=True):
     """Where the host's filesystem, /dev, /sys and the driver root are mounted here."""
 
     root: str = "/"

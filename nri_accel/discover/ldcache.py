@@ -3,7 +3,7 @@
 Owns: glibc's ld.so.cache formats (`parse_ld_so_cache`), `resolve_in_root` (the
 hostroot resolver for files that must exist), and `Locator`, which finds libraries
 (by soname, or the exact `<name>.so.<driver version>` file), binaries and other files
-under the driver root. Imports the standard library, nri_accel.discover.elf,
+under the driver root. Imports the standard library, msgspec, nri_accel.discover.elf,
 nri_accel.discover.hostroot and nri_accel.inventory (Problem).
 
 ld.so.cache formats (glibc elf/cache.c, sysdeps/generic/dl-cache.h):
@@ -31,7 +31,8 @@ import re
 import stat
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 from nri_accel.discover.elf import read_elf
 from nri_accel.discover.hostroot import HostRoot, walk_in_root
@@ -57,8 +58,7 @@ class LdCacheError(ValueError):
     """The ld.so.cache bytes are not a cache this module can read."""
 
 
-@dataclass(frozen=True, slots=True)
-class CacheEntry:
+class CacheEntry(Struct, frozen=True):
     """One ld.so.cache entry: the library's soname (key), its path, the raw flags."""
 
     key: str
@@ -66,8 +66,7 @@ class CacheEntry:
     flags: int
 
 
-@dataclass(frozen=True, slots=True)
-class Arch:
+class Arch(Struct, frozen=True):
     """A library ABI on the node: the ld.so.cache flags and the standard directories."""
 
     name: str

@@ -1,7 +1,7 @@
 """The NVML adapter: the one module of nri-accel that imports pynvml.
 
 Owns: loading a given libnvidia-ml file into pynvml, one query of everything discovery
-needs (`query`), and the health event watch (`EventWatch`). Imports pynvml, ctypes,
+needs (`query`), and the health event watch (`EventWatch`). Imports pynvml, ctypes, msgspec,
 nri_accel.log and the standard library. Returns plain frozen data (NvmlSnapshot,
 GpuEvent); nri_accel.vendors.nvidia.discover turns snapshots into Devices and
 nri_accel.vendors.nvidia.health turns events into health. Never runs on a CreateContainer.
@@ -46,10 +46,10 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pynvml
+from msgspec import Struct
 
 from nri_accel.log import get_logger
 
@@ -74,8 +74,7 @@ class NvmlUnavailable(Exception):
     """NVML cannot be used at all (library not loadable, nvmlInit failed)."""
 
 
-@dataclass(frozen=True, slots=True)
-class LinkInfo:
+class LinkInfo(Struct, frozen=True):
     """One active NVLink: remote device type (0 GPU, 1 IBM NPU, 2 NVSwitch; None when
     the driver cannot say) and the remote end's PCI bus id as NVML writes it."""
 
@@ -84,8 +83,7 @@ class LinkInfo:
     remote_bus_id: str
 
 
-@dataclass(frozen=True, slots=True)
-class MigInfo:
+class MigInfo(Struct, frozen=True):
     """One MIG device (a GPU instance + compute instance) of a GPU."""
 
     index: int  # position in nvmlDeviceGetMigDeviceHandleByIndex
@@ -99,8 +97,7 @@ class MigInfo:
     memory_size_mb: int | None  # from the device attributes
 
 
-@dataclass(frozen=True, slots=True)
-class GpuInfo:
+class GpuInfo(Struct, frozen=True):
     """One GPU as NVML reports it; None where NVML could not tell."""
 
     index: int
@@ -119,8 +116,7 @@ class GpuInfo:
     links: tuple[LinkInfo, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class NvmlSnapshot:
+class NvmlSnapshot(Struct, frozen=True):
     """Everything one NVML session told: driver, GPUs, and what it could not answer."""
 
     driver_version: str
@@ -294,8 +290,7 @@ class _Session:
 # ---- health events ------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class GpuEvent:
+class GpuEvent(Struct, frozen=True):
     """What NVML told about one GPU that bears on its health.
 
     kind "xid": a critical XID error (`xid`), attributed to MIG GPU instance `gi` and

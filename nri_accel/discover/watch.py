@@ -1,7 +1,7 @@
 """Refresh: notice that the node changed, rediscover, hand the new Inventory over.
 
 Owns: watch_state() (the cheap change probe), nodes_match(), diff() and Refresher (the
-background asyncio task). Imports the standard library, nri_accel.config,
+background asyncio task). Imports the standard library, msgspec, nri_accel.config,
 nri_accel.errors, nri_accel.health (carry_vanished), nri_accel.inventory,
 nri_accel.log, nri_accel.discover (discover, lstat_device, HostRoot) and
 nri_accel.vendors (each family's probe()).
@@ -36,8 +36,9 @@ import asyncio
 import inspect
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
+
+from msgspec import Struct
 
 from nri_accel.config import Config
 from nri_accel.discover import discover
@@ -88,8 +89,7 @@ def nodes_match(root: HostRoot, inventory: Inventory) -> bool:
     return True
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
+class Change(Struct, frozen=True):
     """What differs between two inventories (qualified device names, driver vendors)."""
 
     added: tuple[str, ...] = ()

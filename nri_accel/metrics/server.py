@@ -4,7 +4,7 @@ Owns: the metric names and help texts (RunMetrics, DevicePluginMetrics: a
 CollectorRegistry each) and MetricsServer, the HTTP endpoint serving GET /metrics
 (Prometheus text format, or OpenMetrics when the scraper asks for it), /healthz and
 /readyz. Imports prometheus_client (its only importer: one module per foreign
-boundary), asyncio and the standard library, nri_accel.errors, nri_accel.log and
+boundary), asyncio, msgspec and the standard library, nri_accel.errors, nri_accel.log and
 nri_accel.metrics (label values, RequestRecorder, Address). Importing it costs
 45-90 ms: a process imports it only when metrics are on (see nri_accel.metrics).
 
@@ -50,11 +50,11 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from itertools import accumulate
 from typing import Any
 
+from msgspec import Struct
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -193,8 +193,7 @@ class DevicePluginMetrics(_Metrics):
 
 # ---- the HTTP server ------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class _Probe:
+class _Probe(Struct, frozen=True):
     """What the last heartbeat saw, published whole for the HTTP threads."""
 
     beat: float  # clock() at the heartbeat

@@ -6,7 +6,7 @@ nri_accel.container.ContainerInfo (container_info), the little of each pod and
 container of a Synchronize that is kept while its parts arrive (synced: SyncedPod,
 SyncedContainer), and the lean ContainerInfo of each live container of a Synchronize
 (live_containers), so that nothing outside nri_accel.nri reads a protobuf field.
-Imports nri_accel.container and this package's nri_pb2 and nri_views_pb2; pure
+Imports msgspec, nri_accel.container and this package's nri_pb2 and nri_views_pb2; pure
 functions, no trust decision (the policy decides which annotations are a container's
 own).
 
@@ -37,11 +37,12 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Collection, Generator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from operator import methodcaller
 from types import MappingProxyType
 from typing import Any
+
+from msgspec import Struct
 
 from nri_accel.container import ContainerInfo
 from nri_accel.nri import nri_pb2 as pb
@@ -246,8 +247,7 @@ def name_of(name: str, annotations: Mapping[str, str]) -> str:
     return name if isinstance(name, str) else ""
 
 
-@dataclass(frozen=True, slots=True)
-class SyncedPod:
+class SyncedPod(Struct, frozen=True):
     """What live_containers() reads of a synchronised pod (pb.PodSandbox's fields of the
     same names, its annotations only those asked for)."""
 
@@ -258,8 +258,7 @@ class SyncedPod:
     annotations: Mapping[str, str]
 
 
-@dataclass(frozen=True, slots=True)
-class SyncedContainer:
+class SyncedContainer(Struct, frozen=True):
     """What live_containers() reads of a synchronised container (pb.Container's fields
     of the same names; `name` as container_name() finds it, its annotations only those
     asked for)."""

@@ -4,7 +4,7 @@ Owns: plugin identity (name, two-digit index), the event mask, registration,
 Configure, (split) Synchronize, dispatch of lifecycle events to the plugin's
 handlers, the runtime's settings learnt from Configure, the external-mode reconnect
 loop with bounded backoff and the pre-registered (inherited fd) mode. Imports
-asyncio, the standard library, protobuf, nri_accel.ttrpc, nri_accel.log,
+asyncio, the standard library, msgspec, protobuf, nri_accel.ttrpc, nri_accel.log,
 nri_accel.errors, nri_accel.config (the default socket) and this package's mux and
 nri_pb2.
 
@@ -66,10 +66,10 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from google.protobuf.message import DecodeError
+from msgspec import Struct
 
 from nri_accel.log import get_logger
 from nri_accel.nri import DEFAULT_SOCKET
@@ -153,8 +153,7 @@ def mask_events(mask: int) -> tuple[str, ...]:
     return tuple(pb.Event.Name(e) for e in range(1, pb.LAST) if mask & event_bit(e))
 
 
-@dataclass(frozen=True, slots=True)
-class Identity:
+class Identity(Struct, frozen=True):
     """The name and two-digit index a plugin registers with."""
 
     name: str
@@ -207,8 +206,7 @@ def _first(*candidates: tuple[str | None, str]) -> tuple[str, str]:
     return "", candidates[-1][1]
 
 
-@dataclass(frozen=True, slots=True)
-class RuntimeInfo:
+class RuntimeInfo(Struct, frozen=True):
     """What the runtime told the plugin in Configure."""
 
     name: str = ""

@@ -2,7 +2,7 @@
 
 Owns: PROFILE (a VisibleDevicesProfile), discover(root) -> Found, parse_visible(value),
 container_env(granted), probe(root) and the family constants (FAMILY, KIND, ENV_VISIBLE,
-VISIBLE_NONE). Imports the standard library, nri_accel.errors, nri_accel.inventory,
+VISIBLE_NONE). Imports the standard library, msgspec, nri_accel.errors, nri_accel.inventory,
 nri_accel.log, nri_accel.syntax, nri_accel.discover.{base,hostroot,kernel,probe} and
 nri_accel.vendors.base. No ioctl, no libdrm.
 
@@ -64,9 +64,10 @@ import dataclasses
 import re
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 from nri_accel.discover import kernel
 from nri_accel.discover.base import Found
@@ -107,8 +108,7 @@ _GRAMMAR = ("'all', 'none' or ','-separated GPU indices, ranges 'a-b' and unique
             "'0x<hex>' (e.g. '0-3,5')")
 
 
-@dataclass(frozen=True, slots=True)
-class _GpuNode:
+class _GpuNode(Struct, frozen=True):
     """One GPU node of the KFD topology."""
 
     kfd_node: int

@@ -4,7 +4,7 @@ Owns: Profile (the base class every family subclasses), VisibleDevicesProfile (a
 family asked for through one *_VISIBLE_DEVICES variable), EnvAsk and EnvSource (what a
 family reads from a container's env), FamilyEdits (what a family adds for a selection), HealthWatch
 (what a family's health monitor is to the device plugin) and the DriverFiles view of
-the edits catalog a family reads. Imports the standard library, nri_accel.config
+the edits catalog a family reads. Imports the standard library, msgspec, nri_accel.config
 (types), nri_accel.errors, nri_accel.inventory, nri_accel.syntax and
 nri_accel.discover.base (Found). Pure, except discover() and probe(), which read the
 host through a HostRoot, and health_monitor(), whose watch does.
@@ -116,9 +116,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from msgspec import Struct
 
 from nri_accel.discover.base import Found
 from nri_accel.errors import AllocationError, RequestError
@@ -142,8 +143,7 @@ class HealthWatch(Protocol):
     def stop(self) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class EnvSource:
+class EnvSource(Struct, frozen=True):
     """One env variable's device request, before the trust policy."""
 
     name: str  # "env NVIDIA_VISIBLE_DEVICES"
@@ -152,8 +152,7 @@ class EnvSource:
     drivers_only: bool = False  # the family's driver files and no device (NVIDIA "none")
 
 
-@dataclass(frozen=True, slots=True)
-class EnvAsk:
+class EnvAsk(Struct, frozen=True):
     """What a family read from one container's env (memoised per env)."""
 
     sources: tuple[EnvSource, ...] = ()
@@ -165,8 +164,7 @@ class EnvAsk:
 NO_ASK = EnvAsk()
 
 
-@dataclass(frozen=True, slots=True)
-class FamilyEdits:
+class FamilyEdits(Struct, frozen=True):
     """What a family adds to a container for its granted devices, beyond their nodes."""
 
     parts: tuple[ContainerEdits, ...] = ()  # driver files, merged in this order
@@ -177,8 +175,7 @@ class FamilyEdits:
     facts: tuple[tuple[str, str], ...] = ()  # for the log line and explain
 
 
-@dataclass(frozen=True, slots=True)
-class Checked:
+class Checked(Struct, frozen=True):
     """One device's or driver capability's edits after the safety checks: either the
     edits or why they may not be emitted."""
 
@@ -188,14 +185,12 @@ class Checked:
     dropped_hooks: int = 0  # hooks left out because devices.hooks is off
 
 
-@dataclass(frozen=True, slots=True)
-class DriverFiles:
+class DriverFiles(Struct, frozen=True):
     """The checked driver edits of one inventory, as families read them: (driver vendor,
     capability) -> Checked; and each family's tables() of that inventory."""
 
-    checked: Mapping[tuple[str, str], Checked] = field(
-        default_factory=lambda: MappingProxyType({}))
-    tables: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    checked: Mapping[tuple[str, str], Checked] = MappingProxyType({})
+    tables: Mapping[str, Any] = MappingProxyType({})
 
     def table(self, family: str) -> Any:
         return self.tables.get(family)

@@ -2,7 +2,7 @@
 
 Owns: PROFILE (a VisibleDevicesProfile), discover(root) -> Found, parse_visible(value),
 container_env(granted), probe(root) and the family constants (FAMILY, KIND, ENV_VISIBLE,
-VISIBLE_NONE). Imports the standard library, nri_accel.errors, nri_accel.inventory,
+VISIBLE_NONE). Imports the standard library, msgspec, nri_accel.errors, nri_accel.inventory,
 nri_accel.log, nri_accel.syntax, nri_accel.discover.{base,hostroot,kernel,probe} and
 nri_accel.vendors.base. No ioctl, no hlml.
 
@@ -62,9 +62,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
+
+from msgspec import Struct
 
 from nri_accel.discover import kernel
 from nri_accel.discover.base import Found
@@ -109,8 +110,7 @@ _NONE_VALUES = ("", "none", "void")
 _GRAMMAR = "'all', 'none' or device indices separated by ',' (e.g. '0,3')"
 
 
-@dataclass(frozen=True, slots=True)
-class _Layout:
+class _Layout(Struct, frozen=True):
     """Where one generation of the driver puts a device's nodes and attributes."""
 
     name: str  # "accel" or "hl": the alias prefix

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from fakes.nvml import build
 from fakes.nvml.node import FakeNode
 from fakes.roots import materialise
+from msgspec.structs import replace
 
 from nri_accel.config import Config, DiscoveryConfig, HealthConfig
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2

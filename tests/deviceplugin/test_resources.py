@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
+from msgspec.structs import replace
 
 from nri_accel.config import Config, DevicePluginConfig, DevicesConfig
 from nri_accel.container import ContainerInfo

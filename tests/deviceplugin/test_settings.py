@@ -5,12 +5,12 @@ strategy, time-slicing replicas, NeuronCores."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from fakes.roots import materialise
 from grants import admit, held
+from msgspec.structs import replace
 
 from nri_accel.config import Config, DevicePluginConfig
 from nri_accel.discover import discover

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import msgspec
 import pytest
 import yaml
 from engine_testing import (
@@ -176,7 +177,7 @@ def test_cli_insufficient_is_an_error_naming_the_resource(capsys, tmp_path, monk
 def test_explain_follows_the_device_plugin_settings():
     # Renamed resources and time-slicing replicas, as the device plugin advertises them:
     # two pods of one replica each share a GPU, and `run` grants it to both, shared.
-    config = dataclasses.replace(kubernetes(), device_plugin=DevicePluginConfig(
+    config = msgspec.structs.replace(kubernetes(), device_plugin=DevicePluginConfig(
         resource_names=(("nvidia.com/gpu", "nri-accel.io/gpu"),),
         replicas=(("nri-accel.io/gpu", 2),)))
     one = Inventory(devices=tuple(d for d in demo_inventory().devices if d.name == "0"),

@@ -3,7 +3,7 @@
 Owns: discover_cdi(root, spec_dirs) -> Found (reading, validation, priorities),
 generate_specs(inventory) / render_spec(spec) / spec_file_name(kind) (writing), and
 min_version(spec), the CDI version a spec's content needs. Imports the standard
-library, PyYAML, nri_accel.edits (the safety rules), nri_accel.errors,
+library, msgspec, PyYAML, nri_accel.edits (the safety rules), nri_accel.errors,
 nri_accel.inventory, nri_accel.log, nri_accel.discover.{base, hostroot} and, to write
 specs, nri_accel.vendors. Facts from cncf-tags/container-device-interface (SPEC.md,
 pkg/cdi container-edits.go, pkg/parser, specs-go/config.go and version.go).
@@ -73,12 +73,12 @@ import os
 import re
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
 import yaml
+from msgspec import Struct
 
 from nri_accel.discover.base import Found, host_device_node
 from nri_accel.discover.hostroot import HostRoot
@@ -136,8 +136,7 @@ class SpecError(Exception):
 # ---- reading ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Spec:
+class _Spec(Struct, frozen=True):
     path: str  # host path of the file
     priority: int
     kind: str
@@ -410,8 +409,7 @@ def _check_env(values: tuple[str, ...], loc: str) -> None:
             raise SpecError(f"{loc}: {kv!r} is not KEY=VALUE")
 
 
-@dataclass(frozen=True, slots=True)
-class _RawNode:
+class _RawNode(Struct, frozen=True):
     path: str
     host_path: str
     type: str
@@ -424,8 +422,7 @@ class _RawNode:
     where: str
 
 
-@dataclass(frozen=True, slots=True)
-class _RawEdits:
+class _RawEdits(Struct, frozen=True):
     env: tuple[str, ...]
     nodes: tuple[_RawNode, ...]
     mounts: tuple[Mount, ...]

@@ -6,7 +6,7 @@ NVIDIA_DRIVER_CAPABILITIES and the capabilities annotation, NVIDIA_REQUIRE_* thr
 rules, the env and driver files a selection brings, and the device plugin's NVIDIA
 resource names. Discovery lives in .discover (NVML through nri_accel.discover.nvml),
 imported only when the node is discovered, and device health in .health, imported only
-when the device plugin watches it. Imports the standard library, nri_accel.errors,
+when the device plugin watches it. Imports the standard library, msgspec, nri_accel.errors,
 nri_accel.inventory, nri_accel.syntax, nri_accel.vendors.base and this package's
 requirements; pure except discover(), probe() and health_monitor().
 
@@ -71,10 +71,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
 from functools import lru_cache
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+from msgspec import Struct
 
 from nri_accel.errors import RequestError
 from nri_accel.inventory import Device
@@ -145,8 +146,7 @@ def mig_enabled(device: Device) -> bool:
     return device.kind == KIND_GPU and device.attributes.get("mig_mode") == "enabled"
 
 
-@dataclass(frozen=True, slots=True)
-class EnvOptions:
+class EnvOptions(Struct, frozen=True):
     """What the NVIDIA env says beyond device requests (memoised with the env)."""
 
     capabilities: tuple[str, str] | None = None  # (source, value) of the env variable
@@ -156,15 +156,12 @@ class EnvOptions:
     mig_monitor: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Options:
+class Options(Struct, frozen=True):
     """What select() and edits() see of a container's NVIDIA settings."""
 
     capabilities: frozenset[str] = DEFAULT_CAPABILITIES
     capabilities_source: str = ""  # "" = the default (utility,compute)
-    # Left out of the hash (options key the edits memo, which requirements do not
-    # change, and hashing them costs more than comparing the memoised object itself).
-    requirements: Requirements | None = field(default=None, hash=False)
+    requirements: Requirements | None = None
     mig_config: bool = False
     mig_monitor: bool = False
 
@@ -530,7 +527,7 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
     """NVIDIA_REQUIRE_*: every granted GPU or MIG device must satisfy them; with no GPU
     (NVIDIA_VISIBLE_DEVICES=none) only the driver facts are checked. RequestError names
     the variable that fails."""
-    # Keyed by the variables' text (str hashes are cached; the dataclass's are not).
+    # Keyed by the variables' text (str hashes are cached; the Struct's are not).
     texts = tuple((r.source, r.text) for r in reqs.items)
     if not devices:
         failed = _unsatisfied(index, reqs, texts, None)

@@ -4,7 +4,7 @@ Owns: discover_nvidia(root), nvml_library(root), probe(root), parse_mig_minors()
 the NVIDIA facts they encode (which libraries and binaries each driver capability
 brings, brand/architecture names, MIG profiles, device node and capability-file
 layout, where the IPC sockets live). Imports
-nri_accel.discover.{nvml, ldcache, hostroot, base, kernel, probe}, nri_accel.errors,
+msgspec, nri_accel.discover.{nvml, ldcache, hostroot, base, kernel, probe}, nri_accel.errors,
 nri_accel.inventory, nri_accel.log and the kinds of nri_accel.vendors.nvidia; never
 pynvml itself (the nvml adapter does). Runs at startup and on refresh, never on a
 CreateContainer.
@@ -86,8 +86,9 @@ import re
 import stat
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from msgspec import Struct
 
 from nri_accel.discover import nvml
 from nri_accel.discover.base import Found, lstat_device
@@ -272,17 +273,16 @@ def discover_nvidia(root: HostRoot, *, create_device_nodes: bool = False) -> Fou
 # ---- host device nodes ---------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _Scan:
+class _Scan(Struct):
     """Reads device nodes and /proc for one discovery, collecting Problems. With
     `create`, creates the nvidia-caps nodes and /dev/char links the host lacks."""
 
     root: HostRoot
     problems: list[Problem]
     create: bool = False
-    _caps_major: int | None = field(default=None)
-    _caps_major_read: bool = field(default=False)
-    _mig_minors: dict[str, int] | None = field(default=None)
+    _caps_major: int | None = None
+    _caps_major_read: bool = False
+    _mig_minors: dict[str, int] | None = None
 
     def node(self, name: str, *, expect: tuple[int | None, int | None] = (None, None),
              what: str, required: bool = True) -> DeviceNode | None:

@@ -3,7 +3,7 @@
 Owns: the health decisions (HealthState, pure: events and recheck results in, the map
 of unhealthy devices out), which inventory devices are followed (watched_devices) and
 HealthMonitor, the worker thread that feeds HealthState from NVML and hands each new
-map to the asyncio loop. Imports the standard library, nri_accel.discover.nvml
+map to the asyncio loop. Imports the standard library, msgspec, nri_accel.discover.nvml
 (EventWatch, GpuEvent; never pynvml itself), nri_accel.inventory and nri_accel.log.
 
 What makes a device unhealthy (as NVIDIA's k8s-device-plugin, internal/rm/health.go,
@@ -43,9 +43,10 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
+
+from msgspec import Struct
 
 from nri_accel.discover import nvml
 from nri_accel.inventory import Device
@@ -95,8 +96,7 @@ def reason(event: nvml.GpuEvent) -> str:
     return REASON_LOST
 
 
-@dataclass(slots=True)
-class _Mark:
+class _Mark(Struct):
     cause: str
     due: float  # time of the next recheck (time.monotonic() scale)
     blocker: str = ""  # why the last recheck failed

@@ -1,7 +1,7 @@
 """NVIDIA_REQUIRE_* constraints: the language, its parser and its evaluation.
 
 Owns: Constraint, Requirement, Requirements, parse_requirement(), requirements_from_env()
-and legacy_cuda_image(). Imports the standard library and nri_accel.errors only. Pure:
+and legacy_cuda_image(). Imports the standard library, msgspec and nri_accel.errors only. Pure:
 no I/O; parsing is memoised because CUDA images ship the same long expressions.
 
 Semantics follow libnvidia-container (src/cli/dsl.c, src/cli/configure.c) as driven by
@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import lru_cache
+
+from msgspec import Struct
 
 from nri_accel.errors import RequestError
 
@@ -98,8 +99,7 @@ def _compare(left: tuple[int, ...], op: str, right: tuple[int, ...]) -> bool:
     return a >= b
 
 
-@dataclass(frozen=True, slots=True)
-class Constraint:
+class Constraint(Struct, frozen=True):
     """One ``KEY OP VALUE`` test, e.g. cuda>=12.4 or brand=tesla."""
 
     key: str  # lower case: cuda, driver, arch, brand
@@ -122,8 +122,7 @@ class Constraint:
         return _compare(_version(fact), self.op, _version(self.value))
 
 
-@dataclass(frozen=True, slots=True)
-class Requirement:
+class Requirement(Struct, frozen=True):
     """One NVIDIA_REQUIRE_* variable: alternatives (OR) of constraint groups (AND)."""
 
     source: str  # "env NVIDIA_REQUIRE_CUDA", "env CUDA_VERSION"
@@ -147,8 +146,7 @@ class Requirement:
         return msg
 
 
-@dataclass(frozen=True, slots=True)
-class Requirements:
+class Requirements(Struct, frozen=True):
     """All requirements of one container; every one must hold for each granted GPU.
 
     The selector calls unsatisfied() per granted GPU with facts "cuda" (driver's CUDA version,
