@@ -56,12 +56,13 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from operator import methodcaller
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
+from msgspec.structs import replace
 
 from nri_accel.errors import RequestError
 from nri_accel.inventory import (

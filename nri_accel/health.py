@@ -3,7 +3,7 @@
 Owns: HealthWatches (each family's health watch, Profile.health_monitor, over the
 current inventory, reporting every change of a family's unhealthy devices) and
 carry_vanished() (a refresh that no longer finds a device keeps it, unhealthy). Imports
-the standard library, nri_accel.discover.hostroot (types), nri_accel.inventory,
+the standard library, msgspec, nri_accel.discover.hostroot (types), nri_accel.inventory,
 nri_accel.log and nri_accel.vendors. Both daemons use both: `device-plugin` reports
 unhealthy devices to kubelet, `run` grants them to no new container
 (Inventory.with_health marks them; nri_accel.select refuses them by name).
@@ -27,6 +27,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
+
+from msgspec import structs
 
 from nri_accel.inventory import Device, Inventory
 from nri_accel.log import get_logger
@@ -107,7 +109,7 @@ def carry_vanished(old: Inventory, new: Inventory) -> Inventory:
     # The ids a present device answers to stay its own: a renumbered GPU "1" is the
     # new GPU 1, and the vanished one answers only to what stays true of it.
     taken = {(d.kind, i.lower()) for d in new.devices for i in d.ids}
-    carried = tuple(dataclasses.replace(
+    carried = tuple(structs.replace(
         d, healthy=False, attributes=MappingProxyType({**d.attributes, "health": VANISHED}),
         name=d.stable_id if (d.kind, d.name.lower()) in taken else d.name,
         aliases=tuple(a for a in d.aliases if (d.kind, a.lower()) not in taken))

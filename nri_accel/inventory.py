@@ -3,7 +3,7 @@
 Owns: the frozen data model (DeviceNode, Mount, Hook, ContainerEdits, Device,
 Driver, Problem, Inventory) and its JSON form, and the syntax of what names a device
 (KIND_RE and DEVICE_NAME_RE, CDI's; PCI bus ids; natural order of names). Imports only
-the standard library and nri_accel.errors. No I/O except `Inventory.load` taking a path.
+the standard library, msgspec and nri_accel.errors. No I/O except `Inventory.load` taking a path.
 
 ContainerEdits has the shape of CDI's `containerEdits` (env, deviceNodes, mounts,
 hooks, additionalGids), so a CDI spec loads into it and `cdi generate` writes it out.
@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from types import MappingProxyType
 from typing import Any
+
+from msgspec import NODEFAULT, Struct, structs
 
 from nri_accel.errors import InventoryError
 
@@ -76,8 +78,7 @@ def format_pci_bus_id(key: tuple[int, int, int, int]) -> str:
     return "{:04x}:{:02x}:{:02x}.{:x}".format(*key)
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceNode:
+class DeviceNode(Struct, frozen=True):
     """A device node to create in the container (CDI deviceNodes entry)."""
 
     path: str  # path inside the container
@@ -103,8 +104,7 @@ class DeviceNode:
         return hash(self.path)
 
 
-@dataclass(frozen=True, slots=True)
-class Mount:
+class Mount(Struct, frozen=True):
     """A mount to add to the container (CDI mounts entry): a bind mount of a host path,
     or a tmpfs whose host_path is its source's name ("tmpfs"), never a path."""
 
@@ -117,8 +117,7 @@ class Mount:
         return hash(self.container_path)  # as DeviceNode's: equal mounts, equal paths
 
 
-@dataclass(frozen=True, slots=True)
-class Hook:
+class Hook(Struct, frozen=True):
     """An OCI hook (CDI hooks entry). Emitted only where unavoidable."""
 
     hook_name: str  # createRuntime, createContainer, startContainer, poststart, poststop, prestart
@@ -128,8 +127,7 @@ class Hook:
     timeout: int | None = None  # seconds
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerEdits:
+class ContainerEdits(Struct, frozen=True, cache_hash=True):
     """What to change in a container: the same shape as CDI's containerEdits."""
 
     env: tuple[str, ...] = ()  # "KEY=VALUE"
@@ -137,17 +135,8 @@ class ContainerEdits:
     mounts: tuple[Mount, ...] = ()
     hooks: tuple[Hook, ...] = ()
     additional_gids: tuple[int, ...] = ()
-    _hash: int = field(default=0, init=False, repr=False, compare=False)
-
-    def __hash__(self) -> int:
-        # Edits are memo keys on the hot path (nri_accel.nri.adjust): the hash of their
-        # tuples, which calls every node's and mount's __hash__, is computed once.
-        h = self._hash
-        if not h:
-            h = hash((self.env, self.device_nodes, self.mounts, self.hooks,
-                      self.additional_gids)) or 1
-            object.__setattr__(self, "_hash", h)
-        return h
+    # cache_hash: edits are memo keys on the hot path (nri_accel.nri.adjust); the hash
+    # of their tuples, which calls every node's and mount's __hash__, is computed once.
 
     def __bool__(self) -> bool:
         return bool(
@@ -188,8 +177,7 @@ def merge_edits(all_edits: Iterable[ContainerEdits]) -> ContainerEdits:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Device:
+class Device(Struct, frozen=True):
     """One grantable device: a GPU, a MIG instance, a Neuron device, a CDI device.
 
     `name` is the canonical id within `kind` ("0" for GPU 0, "0:1" for MIG GI 1 on
@@ -209,7 +197,7 @@ class Device:
     healthy: bool = True
     # Free-form facts for NVIDIA_REQUIRE_* and display: name, brand, arch,
     # compute_capability, memory_mib, mig_profile, gi_id, ci_id, cores, ...
-    attributes: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    attributes: Mapping[str, str] = MappingProxyType({})
     links: tuple[str, ...] = ()  # names of same-kind peers with a direct link (NVLink, Neuron ring)
     vendor: str = ""  # which Driver's capability edits it needs ("nvidia", "neuron", "")
 
@@ -235,8 +223,7 @@ class Device:
         return (self.name, *((self.uuid,) if self.uuid else ()), *self.aliases)
 
 
-@dataclass(frozen=True, slots=True)
-class Driver:
+class Driver(Struct, frozen=True):
     """A vendor driver found on the node and the shared edits each capability brings.
 
     NVIDIA capabilities: "utility", "compute", "video", "graphics", "display", "ngx",
@@ -247,13 +234,10 @@ class Driver:
     vendor: str  # "nvidia", "neuron"
     version: str = ""
     cuda_version: str = ""  # NVIDIA: CUDA driver API version, e.g. "12.4"
-    capabilities: Mapping[str, ContainerEdits] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
+    capabilities: Mapping[str, ContainerEdits] = MappingProxyType({})
 
 
-@dataclass(frozen=True, slots=True)
-class Problem:
+class Problem(Struct, frozen=True):
     """Something discovery could not do or found wrong, kept for `discover` and logs."""
 
     source: str  # vendor, path or file: "nvidia", "/dev/char/195:0", "/etc/cdi/x.yaml"
@@ -312,7 +296,7 @@ class Inventory:
         if not unhealthy or not any(d.key in unhealthy for d in self.devices):
             return self
         return dataclasses.replace(self, devices=tuple(
-            dataclasses.replace(d, healthy=False, attributes=MappingProxyType(
+            structs.replace(d, healthy=False, attributes=MappingProxyType(
                 {**d.attributes, "health": unhealthy[d.key]}))
             if d.key in unhealthy else d for d in self.devices))
 
@@ -408,23 +392,21 @@ def _number_key(digits: str) -> tuple[int, str]:
     return len(significant), significant
 
 
-# ---- generic dataclass <-> JSON (only the types of this module) --------------------
+# ---- generic Struct <-> JSON (only the types of this module) ----------------------
 
 _NESTED: dict[str, type] = {}
 
 
 def _encode(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
+    if isinstance(obj, Struct):
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(obj):
-            if f.name.startswith("_"):
-                continue
-            v = getattr(obj, f.name)
+        for name in obj.__struct_fields__:
+            v = getattr(obj, name)
             empty = (v is None or v == "" or v == () or (isinstance(v, Mapping) and not v)
                      or (isinstance(v, ContainerEdits) and not v))
-            if empty and _EMPTY_DEFAULT.get((type(obj), f.name), False):
+            if empty and _EMPTY_DEFAULT.get((type(obj), name), False):
                 continue
-            out[f.name] = _encode(v)
+            out[name] = _encode(v)
         return out
     if isinstance(obj, Mapping):
         return {k: _encode(v) for k, v in obj.items()}
@@ -496,14 +478,12 @@ _FIELD_TYPES: dict[type, dict[str, Any]] = {
 }
 
 
-def _empty_default(f: dataclasses.Field[Any]) -> bool:
-    if f.default is not dataclasses.MISSING:
-        return not f.default
-    return f.default_factory is not dataclasses.MISSING and not f.default_factory()
+def _empty_default(f: structs.FieldInfo) -> bool:
+    return f.default is not NODEFAULT and not f.default
 
 
 # Fields whose default is empty (None, "", (), {}, no edits): to_json leaves them out when
 # empty. An empty value of any other field (Mount.options, DeviceNode.permissions, a
 # required field) is written, so that it loads back as it was, not as the default.
 _EMPTY_DEFAULT = {(cls, f.name): _empty_default(f)
-                  for cls in _FIELD_TYPES for f in dataclasses.fields(cls)}
+                  for cls in _FIELD_TYPES for f in structs.fields(cls)}

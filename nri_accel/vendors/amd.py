@@ -60,7 +60,6 @@ Facts it relies on (sources: repository + path):
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -68,6 +67,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from msgspec import Struct
+from msgspec.structs import replace
 
 from nri_accel.discover import kernel
 from nri_accel.discover.base import Found
@@ -292,7 +292,7 @@ def _with_hive_links(devices: list[Device]) -> list[Device]:
     for d in devices:
         peers = hives.get(d.attributes.get("hive_id", ""), [])
         links = tuple(p for p in peers if p != d.name)
-        out.append(dataclasses.replace(d, links=links) if links else d)
+        out.append(replace(d, links=links) if links else d)
     return out
 
 

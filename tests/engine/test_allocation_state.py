@@ -8,10 +8,10 @@ enumeration order is not stable; the UUIDs and PCI bus ids stay).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from engine_testing import admit, allocated, container, demo_inventory, held, kubernetes, standalone
 
@@ -31,10 +31,10 @@ def renumbered(inventory: Inventory) -> Inventory:
     keep their parent and get new indices."""
     gpus = [d for d in inventory.of_kind(KIND_GPU) if d.name not in ("1", "7")]
     names = {d.name: str(len(gpus) - 1 - i) for i, d in enumerate(gpus)}
-    devices = [dataclasses.replace(d, name=names[d.name], links=()) for d in gpus]
+    devices = [msgspec.structs.replace(d, name=names[d.name], links=()) for d in gpus]
     devices.append(inventory.find(KIND_GPU, "7"))
     migs = inventory.of_kind(KIND_MIG)
-    devices += [dataclasses.replace(m, name=f"7:{len(migs) - 1 - i}")
+    devices += [msgspec.structs.replace(m, name=f"7:{len(migs) - 1 - i}")
                 for i, m in enumerate(migs)]
     return Inventory(devices=tuple(devices), drivers=inventory.drivers)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from types import MappingProxyType
 
+import msgspec
 import pytest
 from engine_testing import (
     GPU_UUIDS,
@@ -88,7 +88,7 @@ def test_capabilities_all_and_missing_ones():
     assert "/dev/nvidia-modeset" in {n.path for n in edits.device_nodes}  # display
     # compat32 libraries live in lib/, and both directories are on the path.
     assert env_of(edits)["LD_LIBRARY_PATH"] == f"{LIB64}:/usr/local/nvidia/lib"
-    no_ngx = dataclasses.replace(inv.driver("nvidia"), capabilities=MappingProxyType(
+    no_ngx = msgspec.structs.replace(inv.driver("nvidia"), capabilities=MappingProxyType(
         {k: v for k, v in inv.driver("nvidia").capabilities.items() if k != "ngx"}))
     headless = Inventory(devices=inv.devices, drivers=MappingProxyType({"nvidia": no_ngx}))
     edits, notes = edits_for(headless, gpu_ids("0", capabilities=frozenset({"ngx", "utility"})))
@@ -142,7 +142,7 @@ def test_compat32_adds_the_32_bit_libraries_of_the_other_capabilities(caps, libs
 def test_compat32_on_a_node_without_32_bit_libraries():
     inv = demo_inventory()
     drv = inv.driver("nvidia")
-    no32 = dataclasses.replace(drv, capabilities=MappingProxyType(
+    no32 = msgspec.structs.replace(drv, capabilities=MappingProxyType(
         {k: v for k, v in drv.capabilities.items() if not k.startswith("compat32")}))
     inv = Inventory(devices=inv.devices, drivers=MappingProxyType({"nvidia": no32}))
     edits, notes = edits_for(inv, gpu_ids("0", capabilities=frozenset({"compute", "compat32"})))
@@ -374,7 +374,7 @@ def test_unsafe_driver_capability_is_refused_with_its_name():
     caps = dict(nvidia.capabilities)
     caps["video"] = ContainerEdits(mounts=(Mount("/x", "/proc/x"),))
     bad = Inventory(devices=inv.devices, drivers=MappingProxyType(
-        {"nvidia": dataclasses.replace(nvidia, capabilities=MappingProxyType(caps))}))
+        {"nvidia": msgspec.structs.replace(nvidia, capabilities=MappingProxyType(caps))}))
     assert edits_for(bad, gpu_ids("0"))  # video not asked: fine
     with pytest.raises(AllocationError) as e:
         edits_for(bad, gpu_ids("0", capabilities=frozenset({"video"})))

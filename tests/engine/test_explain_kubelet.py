@@ -8,7 +8,6 @@ in MIG mode with one MIG device each of 3g.40gb, 2g.20gb and 1g.10gb).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import msgspec
@@ -128,7 +127,7 @@ def test_insufficient_devices_name_the_resource_and_allocate_nothing(kubelet):
 def test_unhealthy_devices_are_not_allocated():
     inv = demo_inventory()
     sick = {"0", "1", "2", "3"}
-    node = Inventory(devices=tuple(dataclasses.replace(d, healthy=d.name not in sick)
+    node = Inventory(devices=tuple(msgspec.structs.replace(d, healthy=d.name not in sick)
                                    if d.kind == "nvidia.com/gpu" else d for d in inv.devices),
                      drivers=inv.drivers)
     kubelet = KubeletDevices(node, kubernetes())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 from engine_testing import (
     GPU_UUIDS,
@@ -124,7 +125,7 @@ def test_an_index_a_vanished_gpu_had_belongs_to_the_gpu_that_has_it_now():
     # GPU 3 fell off the bus; the driver renumbered GPU 4 as 3.
     rest = without(old, "nvidia.com/gpu=3", "nvidia.com/gpu=4")
     shifted = dataclasses.replace(rest, devices=(
-        *rest.devices, dataclasses.replace(g4, name="3", aliases=(g4.pci_bus_id,))))
+        *rest.devices, msgspec.structs.replace(g4, name="3", aliases=(g4.pci_bus_id,))))
     new = carry_vanished(old, shifted)
     assert new.find(KIND_GPU, "3").uuid == g4.uuid
     vanished = new.find(KIND_GPU, g3.uuid)

@@ -6,10 +6,8 @@ asking for less than the runtime's "rw" is refused; no hook unless enabled."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import msgspec
 import pytest
+from msgspec.structs import replace
 from security_testing import DEVICE_PLUGIN_KEY, TRUSTED_NS, container, demo_inventory, engine
 
 from nri_accel.edits import (
@@ -259,7 +257,7 @@ def test_the_ldcache_hook_sees_no_container_env() -> None:
 
 def test_devices_already_in_the_spec_are_not_emitted_again() -> None:
     base = container(ctr={DEVICE_PLUGIN_KEY: "nvidia.com/gpu=0"})
-    info = msgspec.structs.replace(base, device_paths=frozenset({"/dev/nvidia0", "/dev/nvidiactl"}))
+    info = replace(base, device_paths=frozenset({"/dev/nvidia0", "/dev/nvidiactl"}))
     plan = engine().plan(info)
     assert plan.qualified_names == ("nvidia.com/gpu=0",)
     assert not {"/dev/nvidia0", "/dev/nvidiactl"} & {n.path for n in plan.edits.device_nodes}

@@ -67,7 +67,6 @@ know, and every version from 0.5.0 is accepted by both.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -79,6 +78,7 @@ from typing import Any
 
 import yaml
 from msgspec import Struct
+from msgspec.structs import replace
 
 from nri_accel.discover.base import Found, host_device_node
 from nri_accel.discover.hostroot import HostRoot
@@ -521,7 +521,7 @@ def _edits(root: HostRoot, v: Any, where: str, *, device_level: bool) -> _RawEdi
                 raise SpecError(f"{loc}.hostPath: required (the source, e.g. \"tmpfs\")")
             mount = Mount(host_path=host, container_path=dest, type=typ,
                           options=TMPFS_REQUIRED_OPTIONS)
-        mount = dataclasses.replace(mount, options=options) if options else mount
+        mount = replace(mount, options=options) if options else mount
         safety.check(loc, check_mount, mount)
         if is_bind_mount(mount.type, mount.options):
             safety.check(f"{loc}.hostPath", _check_resolved_source, root, mount.host_path)
@@ -598,7 +598,7 @@ def _to_edits(root: HostRoot, raw: _RawEdits) -> ContainerEdits:
         if rn.major and (rn.major, rn.minor or 0) != (node.major, node.minor):
             raise DiscoveryError(f"the spec says {rn.major}:{rn.minor or 0}, the host node is "
                                  f"{node.major}:{node.minor}", source=host)
-        nodes.append(dataclasses.replace(node, file_mode=rn.file_mode, uid=rn.uid, gid=rn.gid))
+        nodes.append(replace(node, file_mode=rn.file_mode, uid=rn.uid, gid=rn.gid))
     return ContainerEdits(env=raw.env, device_nodes=tuple(nodes), mounts=raw.mounts,
                           hooks=raw.hooks, additional_gids=raw.gids)
 
