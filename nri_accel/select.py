@@ -374,7 +374,8 @@ def _allocate(index: DeviceIndex, claim: DeviceClaim, busy: Mapping[str, str],
         return ()
     kind = claim.kind
     keys = index.keys
-    free = tuple([p for p in index.countable(kind) if p not in granted and keys[p] not in busy])
+    taken = busy.keys()  # a dict's keys: tested in C (busy's own `in` may be Python's)
+    free = tuple([p for p in index.countable(kind) if p not in granted and keys[p] not in taken])
     if len(free) < count:
         total = len(index.inventory.of_kind(kind))
         if not total:

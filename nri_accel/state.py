@@ -52,7 +52,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping
 from typing import Any
 
 from msgspec import Struct, field
@@ -115,6 +115,39 @@ class Grant(Struct, frozen=True):
                    text("container_name"), keys("exclusive"), keys("shared"))
 
 
+class _Busy(Mapping[str, str]):
+    """Holdings.busy(): which keys are busy is known at once (a count avoids them:
+    keys() is a dict's, tested in C); who holds each is put together only when read (a
+    refused count names them), not for every key held on the node at every count.
+    `sources`: each busy key -> its holders' ids, or (the held key, the relation) for
+    the whole or a part of a held key."""
+
+    __slots__ = ("_grants", "_mine", "_sources")
+
+    def __init__(self, sources: dict[str, set[str] | tuple[str, str]],
+                 grants: Mapping[str, Grant], mine: frozenset[str]) -> None:
+        self._sources, self._grants, self._mine = sources, grants, mine
+
+    def __getitem__(self, key: str) -> str:
+        source = self._sources[key]
+        if isinstance(source, tuple):
+            held, relation = source
+            return f"{self[held]}, {relation} {held}"
+        return _listed(self._grants[i] for i in source if i not in self._mine)
+
+    def keys(self) -> KeysView[str]:
+        return self._sources.keys()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sources
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+
 def _listed(grants: Iterable[Grant]) -> str:
     names = sorted({g.name if g.name == g.container_id
                     else f"{g.name or '?'} (id {g.container_id[:12]})" for g in grants})
@@ -133,6 +166,7 @@ class Holdings(Struct):
     _by_name: dict[tuple[str, str], str] = field(default_factory=dict)  # (pod, name) -> id
     _whole: dict[str, str] = field(default_factory=dict)  # part key -> whole key
     _parts: dict[str, frozenset[str]] = field(default_factory=dict)  # whole -> part keys
+    _related: frozenset[str] = frozenset()  # the keys of _whole and _parts: one set to meet
     version: int = 0  # bumped on every change: a check() made at this version holds
 
     def set_parts(self, parts: Mapping[str, str]) -> None:
@@ -144,9 +178,10 @@ class Holdings(Struct):
             wholes.setdefault(whole, set()).add(part)
         self._whole = dict(parts)
         self._parts = {w: frozenset(p) for w, p in wholes.items()}
+        self._related = frozenset(self._whole) | frozenset(self._parts)
         self.version += 1
 
-    def _related(self, key: str) -> list[tuple[str, str]]:
+    def _relations(self, key: str) -> list[tuple[str, str]]:
         """(key, relation) of `key` itself (""), its whole ("device") and its parts
         ("part"): the keys whose holders an exclusive grant of `key` conflicts with."""
         out = [(key, "")]
@@ -193,20 +228,25 @@ class Holdings(Struct):
         return container_id in self._grants or (
             bool(pod and container_name) and (pod, container_name) in self._by_name)
 
-    def busy(self, grant: Grant) -> dict[str, str]:
+    def busy(self, grant: Grant) -> Mapping[str, str]:
         """Keys held exclusively by containers other than those `grant` replaces, and
-        the wholes and parts of those keys, each with who holds it (for messages)."""
+        the wholes and parts of those keys, each with who holds it (for messages). Read
+        while the holdings stay as they are (the Engine's lock)."""
         mine = self.replaced(grant)
-        out = {k: _listed(self._grants[i] for i in ids if i not in mine)
-               for k, ids in self._holders.items() if not ids <= mine}
-        if self._whole and out:
-            for key, who in list(out.items()):
+        held = ({k: ids for k, ids in self._holders.items() if not ids <= mine} if mine
+                else self._holders)  # no holder's set is empty (release drops it)
+        if not held:
+            return {}
+        through: dict[str, tuple[str, str]] = {}  # whole or part -> (held key, relation)
+        if self._whole:
+            for key in held:
                 whole = self._whole.get(key)
-                if whole is not None:
-                    out.setdefault(whole, f"{who}, which holds its part {key}")
+                if whole is not None and whole not in held:
+                    through.setdefault(whole, (key, "which holds its part"))
                 for part in self._parts.get(key, ()):
-                    out.setdefault(part, f"{who}, which holds its device {key}")
-        return out
+                    if part not in held:
+                        through.setdefault(part, (key, "which holds its device"))
+        return _Busy(held | through if through else held, self._grants, mine)
 
     def require_known(self, source: str) -> None:
         """StateError naming `source` (a count's) while the state is unknown."""
@@ -221,15 +261,15 @@ class Holdings(Struct):
         exclusivity rule. `source_of(key)`: what asked for that device (the refusal
         names the first conflicting device's; asked only then)."""
         holders, whole, parts = self._holders, self._whole, self._parts
-        if not any(key in holders or whole.get(key) in holders
-                   or not holders.keys().isdisjoint(parts.get(key, ()))
-                   for key in grant.exclusive):
+        if holders.keys().isdisjoint(grant.exclusive) and not any(
+                whole.get(key) in holders or not holders.keys().isdisjoint(parts.get(key, ()))
+                for key in self._related & grant.exclusive):
             return  # most grants: nobody holds a key of theirs, its whole or its parts
         mine: frozenset[str] | None = None  # the grants `grant` replaces, once needed
         conflicts: dict[str, list[Grant]] = {}
         first = ""
         for key in sorted(grant.exclusive):
-            for related, relation in self._related(key):
+            for related, relation in self._relations(key):
                 ids = holders.get(related)
                 if not ids:
                     continue

@@ -114,3 +114,24 @@ def test_holdings_learn_parts_per_inventory_and_keep_grants_by_key() -> None:
     assert h.busy(whole) == {"k/core=0": "ns/p/a (id a)",
                              "k/dev=0": "ns/p/a (id a), which holds its part k/core=0"}
     h.check(Grant("c", exclusive=frozenset({"k/core=1"})))  # a sibling part: free
+
+
+def test_busy_names_the_holders_of_a_whole_and_its_parts_and_leaves_out_a_replaced_grant() -> None:
+    h = Holdings()
+    h.set_parts({"k/core=0": "k/dev=0", "k/core=1": "k/dev=0"})
+    h.record(Grant("a", name="ns/p/a", pod_uid="p", container_name="a",
+                   exclusive=frozenset({"k/dev=0"})))
+    h.record(Grant("b", name="ns/q/b", exclusive=frozenset({"k/dev=1"})))
+    busy = h.busy(Grant("c", name="ns/r/c", exclusive=frozenset({"k/core=1"})))
+    # keys(): what the allocator tests each device against
+    assert set(busy.keys()) == {"k/dev=0", "k/dev=1", "k/core=0", "k/core=1"}
+    assert "k/core=1" in busy and len(busy) == 4
+    assert dict(busy) == {"k/dev=0": "ns/p/a (id a)", "k/dev=1": "ns/q/b (id b)",
+                          "k/core=0": "ns/p/a (id a), which holds its device k/dev=0",
+                          "k/core=1": "ns/p/a (id a), which holds its device k/dev=0"}
+    # A new create of a's pod and name replaces a's grant: only b's device is busy.
+    again = Grant("a2", name="ns/p/a", pod_uid="p", container_name="a")
+    assert dict(h.busy(again)) == {"k/dev=1": "ns/q/b (id b)"}
+    h.release("a")
+    h.release("b")
+    assert not h.busy(again)
