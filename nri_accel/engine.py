@@ -16,9 +16,9 @@ so an answer that cannot be sent holds nothing.
 
 Allocation state (nri_accel.state.Holdings, keyed by Device.key: kind and UUID, else PCI
 bus id, else the spec's name): commit() records, release() and release_pod() drop,
-restore() rebuilds from the runtime's list of running containers and the annotations a
-Plan adds to each (what the holdings already say of a listed container that carries
-none is kept: a runtime may not hand the annotations back):
+restore_grants() rebuilds from what grants_in() reads of the runtime's list of running
+containers: the annotations a Plan adds to each (what the holdings already say of a
+listed container that carries none is kept: a runtime may not hand the annotations back):
 
     nri-accel.io/granted: Device.key of every device granted, sorted, comma separated
     nri-accel.io/shared:  those of them used shared (absent when none)
@@ -26,7 +26,7 @@ none is kept: a runtime may not hand the annotations back):
 so a restarted plugin learns from Synchronize what running containers hold, and
 load_checkpoint() from the state directory where no Synchronize comes (containerd 1.7
 launching a pre-registered plugin). Only nri-accel writes those annotations: the request
-parser refuses a container or pod that carries one, and restore() reads only a
+parser refuses a container or pod that carries one, and grants_in() reads only a
 container's own annotations, not the copies of its pod's. Every change bumps
 `holdings.version`, which the checkpoint writer follows. Calls are serialised by a lock
 (the refresh thread may swap the inventory while the NRI loop plans).
@@ -71,7 +71,7 @@ class Plan(Struct, frozen=True):
 
     devices: tuple[Device, ...]  # granted, sorted
     edits: ContainerEdits
-    annotations: Mapping[str, str]  # added to the container; restore() reads them back
+    annotations: Mapping[str, str]  # added to the container; grants_in() reads them back
     cdi_devices: tuple[str, ...]  # CDI names handed to the runtime (cdi_passthrough)
     grant: Grant
     unset_env: tuple[str, ...] = ()  # variables removed from the container's env
@@ -167,7 +167,7 @@ class Engine:
                                cdi_passthrough=self._config.devices.cdi_passthrough,
                                shared_kinds=self._shared_kinds)
             exclusive = selection.exclusive
-            grant = _grant(info, exclusive, selection.held - exclusive)
+            grant = _grant(info, exclusive, selection.keys - exclusive)
             self.holdings.check(grant, partial(_source_of, selection.devices,
                                                selection.granted_by))
             checked_at = self.holdings.version
@@ -234,12 +234,6 @@ class Engine:
             self.holdings.replace_all(grants, known=known)
         log.info("allocations_loaded", containers=len(grants), known=known,
                  held=sum(len(g.exclusive) for g in grants))
-
-    def restore(self, containers: Iterable[ContainerInfo]) -> None:
-        """Replace the allocation state with what the running `containers` (from
-        Synchronize: the runtime's view of what runs is the truth) hold (grants_in);
-        a grant of a container not listed ends. Afterwards the state is known."""
-        self.restore_grants(self.grants_in(containers))
 
     def grants_in(self, containers: Iterable[ContainerInfo]) -> list[Grant]:
         """What the running `containers` hold: each one's own grant annotations, else

@@ -1,7 +1,7 @@
 """The nri-accel NRI plugin: the handlers that wire the runtime to the Engine, and `run`.
 
-Owns: AccelPlugin (Synchronize -> Engine.restore, CreateContainer -> Engine.plan ->
-adjustment -> size check -> Engine.commit, StopContainer/RemoveContainer and
+Owns: AccelPlugin (Synchronize -> Engine.grants_in and restore_grants, CreateContainer
+-> Engine.plan -> adjustment -> size check -> Engine.commit, StopContainer/RemoveContainer and
 Stop/RemovePodSandbox -> release, Configure -> a warning when the runtime hands over a
 plugin configuration; the canonical log line of each CreateContainer that asks; each request
 counted and timed for the metrics) and main_run (the `nri-accel run` daemon: the App,
@@ -101,12 +101,12 @@ class AccelPlugin:
         """What the stub keeps of each part of a Synchronize until the last: what
         synchronize() reads (tens of thousands of containers: not their messages), and
         of the containers only those that can hold a grant, one carrying a grant
-        annotation or one the holdings list (Engine.restore reads a grant from the
+        annotation or one the holdings list (Engine.grants_in reads a grant from the
         first, else from the second; on a node of 60,000 containers, a few hundred)."""
         return convert.synced(pods, containers, RESERVED_KEYS, self.engine.held_containers())
 
     async def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
-        """Engine.restore over the running containers, RESTORE_SLICE at a time with the
+        """Engine.grants_in over the running containers, RESTORE_SLICE at a time with the
         event loop free in between (a node may run thousands of granted containers).
         Nothing else changes the holdings meanwhile: the runtime sends a plugin no event
         until it has answered the Synchronize (NRI's adaptation adds it to the plugins it

@@ -78,18 +78,13 @@ class Selection(Struct, frozen=True):
     passthrough: tuple[Device, ...] = ()
     notes: tuple[str, ...] = ()
     granted_by: Mapping[str, str] = MappingProxyType({})
-    keys: frozenset[str] = frozenset()  # of devices and passthrough; select() fills it in
-    device_keys: tuple[str, ...] = ()  # of devices, in their order; select() fills it in
-
-    @property
-    def held(self) -> frozenset[str]:
-        """Keys of every device it names (granted or passed through)."""
-        return self.keys or frozenset(d.key for d in (*self.devices, *self.passthrough))
+    keys: frozenset[str] = frozenset()  # of every device it names: devices and passthrough
+    device_keys: tuple[str, ...] = ()  # of devices, in their order
 
     @property
     def exclusive(self) -> frozenset[str]:
         """Keys this container holds exclusively."""
-        return self.held - self.shared
+        return self.keys - self.shared
 
 
 class DeviceIndex:

@@ -86,8 +86,8 @@ def test_restart_and_synchronize_on_a_renumbered_node_keep_every_grant():
     plans = {cid: admit(engine, allocated(req, cid=cid))
              for cid, req in (("a", "nvidia.com/gpu: 2"), ("m", "nvidia.com/mig: 2"))}
     restarted = Engine(renumbered(demo_inventory()), standalone())
-    restarted.restore(container(cid=cid, annotations=dict(p.annotations))
-                      for cid, p in plans.items())
+    restarted.restore_grants(restarted.grants_in(
+        container(cid=cid, annotations=dict(p.annotations)) for cid, p in plans.items()))
     held_uuids = {d.uuid for p in plans.values() for d in p.devices}
     for i in range(8):
         try:
@@ -230,7 +230,7 @@ def test_an_unreadable_checkpoint_leaves_counts_refused_until_synchronize(tmp_pa
     assert e.value.source == "container annotation devices.nri-accel.io"
     assert e.value.status == "UNAVAILABLE"
     assert admit(engine, allocated("nvidia.com/gpu=2", cid="named")).devices  # still served
-    engine.restore([])  # the runtime's view: nothing else runs
+    engine.restore_grants([])  # the runtime's view: nothing else runs
     assert admit(engine, allocated("nvidia.com/gpu: 1", cid="a")).devices
 
 

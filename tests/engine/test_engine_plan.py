@@ -155,8 +155,8 @@ def test_restore_rebuilds_holdings_from_plan_annotations(engine):
     plans = {cid: admit(engine, allocated(req, cid=cid))
              for cid, req in (("a", "nvidia.com/gpu: 2"), ("b", "nvidia.com/mig: 1"))}
     restarted = Engine(demo_inventory(), kubernetes("research"))
-    restarted.restore(container(cid=cid, annotations=dict(p.annotations))
-                      for cid, p in plans.items())
+    restarted.restore_grants(restarted.grants_in(
+        container(cid=cid, annotations=dict(p.annotations)) for cid, p in plans.items()))
     assert held(restarted) == held(engine)
     nxt = admit(restarted, allocated("nvidia.com/gpu: 2", cid="c"))
     assert not set(nxt.qualified_names) & set(plans["a"].qualified_names)
@@ -178,14 +178,14 @@ def test_restore_keeps_shared_devices_free_and_skips_unreadable_annotations(engi
     monkeypatch.setattr(engine_module, "log", logs)
     admit(engine, allocated("nvidia.com/gpu: 1", cid="old"))
     gpu = {n: f"nvidia.com/gpu={GPU_UUIDS[n]}" for n in ("0", "4")}
-    engine.restore(container(cid=cid, annotations=a) for cid, a in (
+    engine.restore_grants(engine.grants_in(container(cid=cid, annotations=a) for cid, a in (
         ("mon", {ANNOTATION_GRANTED: f"{gpu['0']},nvidia.com/gpu=GPU-other",
                  ANNOTATION_SHARED: f"{gpu['0']},nvidia.com/gpu=GPU-other"}),
         ("bad", {ANNOTATION_GRANTED: "garbage without kind"}),
         ("huge", {ANNOTATION_GRANTED: ",".join(f"x.io/y={i}" for i in range(5000))}),
         ("plain", {"other": "annotation"}),
         ("held", {ANNOTATION_GRANTED: gpu["4"]}),
-    ))
+    )))
     assert held(engine) == {"held": ("nvidia.com/gpu=4",)}  # "old" is gone: replaced
     unreadable = [(level, fields["container_id"]) for level, event, fields in logs.records
                   if event == "grant_annotation_unreadable"]
