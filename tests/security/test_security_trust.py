@@ -113,7 +113,7 @@ def test_counts_never_share_a_device() -> None:
     assert again.qualified_names == got["c3"]
 
 
-# ---- the grant records restore() reads -----------------------------------------------
+# ---- the grant records grants_in() reads ---------------------------------------------
 
 
 @pytest.mark.parametrize("key", [ANNOTATION_GRANTED, ANNOTATION_SHARED])
