@@ -156,8 +156,10 @@ class EnvOptions(Struct, frozen=True):
     mig_monitor: bool = False
 
 
-class Options(Struct, frozen=True):
-    """What select() and edits() see of a container's NVIDIA settings."""
+class Options(Struct, frozen=True, cache_hash=True):
+    """What select() and edits() see of a container's NVIDIA settings. Options key the
+    edits memo on every create: the hash, which walks the requirements (2 us for a CUDA
+    image's), is computed once per object (and the parse that makes them is memoised)."""
 
     capabilities: frozenset[str] = DEFAULT_CAPABILITIES
     capabilities_source: str = ""  # "" = the default (utility,compute)

@@ -146,7 +146,7 @@ class Requirement(Struct, frozen=True):
         return msg
 
 
-class Requirements(Struct, frozen=True):
+class Requirements(Struct, frozen=True, cache_hash=True):
     """All requirements of one container; every one must hold for each granted GPU.
 
     The selector calls unsatisfied() per granted GPU with facts "cuda" (driver's CUDA version,
