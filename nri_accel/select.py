@@ -344,10 +344,12 @@ def _check_families(request: Request, index: DeviceIndex, granted: Mapping[int, 
     families = index.families
     for p in order:
         d = granted[p]
-        mine, named = by_family.setdefault(families[p], ([], []))
-        mine.append(d)
+        found = by_family.get(families[p])
+        if found is None:  # not setdefault: that would build two lists per device
+            found = by_family[families[p]] = ([], [])
+        found[0].append(d)
         if p in specific:
-            named.append(d)
+            found[1].append(d)
     for profile in PROFILES:
         found = by_family.get(profile.name)
         if found is None:

@@ -529,22 +529,21 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
     """NVIDIA_REQUIRE_*: every granted GPU or MIG device must satisfy them; with no GPU
     (NVIDIA_VISIBLE_DEVICES=none) only the driver facts are checked. RequestError names
     the variable that fails."""
-    # Keyed by the variables' text (str hashes are cached; the Struct's are not).
-    texts = tuple((r.source, r.text) for r in reqs.items)
     if not devices:
-        failed = _unsatisfied(index, reqs, texts, None)
+        failed = _unsatisfied(index, reqs, None)
         if failed is not None:
             raise RequestError(f"the driver: {failed[1]}", source=failed[0])
         return
     # A whole grant is looked up at once (a node's few grants recur), by its devices'
-    # identities in the index, which lives as long as the memo.
+    # identities in the index, which lives as long as the memo. Requirements cache
+    # their hash, and a memoised parse hands the same object to every create of an image.
     memo: dict[Any, Any] = index.memo(VENDOR)
-    key = (texts, tuple(map(id, devices)))
+    key = (reqs, tuple(map(id, devices)))
     try:
         failure = memo[key]
     except KeyError:
         failure = next(((d.qualified_name, *failed) for d in devices
-                        if (failed := _unsatisfied(index, reqs, texts, d)) is not None), None)
+                        if (failed := _unsatisfied(index, reqs, d)) is not None), None)
         _remember(memo, key, failure)
     if failure is not None:
         name, source, why = failure
@@ -554,13 +553,13 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
 _MEMO_SIZE = 4096  # requirement checks remembered per inventory before starting over
 
 
-def _unsatisfied(index: Any, reqs: Requirements, texts: tuple[tuple[str, str], ...],
+def _unsatisfied(index: Any, reqs: Requirements,
                  device: Device | None) -> tuple[str, str] | None:
     """reqs.unsatisfied() for `device`'s facts, remembered per (requirements, device) in
     the inventory's index: images repeat the same requirements and the facts do not
     change."""
     memo: dict[Any, tuple[str, str] | None] = index.memo(VENDOR)
-    key = (texts, -1 if device is None else index.position(device))
+    key = (reqs, -1 if device is None else index.position(device))
     try:
         return memo[key]
     except KeyError:
