@@ -271,10 +271,11 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
             counts.append(claim)
 
     for claim in counts:
+        source = f"{claim.source} (count)"
         for pos in _allocate(index, claim, busy, granted):
             granted[pos] = index.devices[pos]
             specific.add(pos)
-            by[pos] = f"{claim.source} (count)"
+            by[pos] = source
 
     narrowed = {c.vendor for c in request.limits}
     if request.limits:
