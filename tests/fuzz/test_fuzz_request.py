@@ -24,7 +24,7 @@ from nri_accel.container import ContainerInfo
 from nri_accel.errors import RequestError
 from nri_accel.policy import Policy
 from nri_accel.syntax import named
-from nri_accel.vendors.nvidia import parse_capabilities
+from nri_accel.vendors.nvidia import ALL_CAPABILITIES, parse_capabilities
 from nri_accel.vendors.nvidia.requirements import (
     parse_requirement,
     requirements_from_env,
@@ -119,4 +119,7 @@ def test_capabilities(value: str) -> None:
     except RequestError as err:
         assert err.source == "env NVIDIA_DRIVER_CAPABILITIES"
         return
-    assert caps and source == "env NVIDIA_DRIVER_CAPABILITIES"
+    assert source == "env NVIDIA_DRIVER_CAPABILITIES" and caps <= ALL_CAPABILITIES
+    # No capability only for a value of blanks and commas alone, as the toolkit reads it
+    # ("" is the default, utility,compute): tests/request/test_request_env.py pins both.
+    assert bool(caps) == (value == "" or bool(value.replace(",", "").strip()))
