@@ -207,6 +207,11 @@ class _Logger:
     def exception(self) -> Any:
         return self._bound().exception
 
+    def is_enabled_for(self, level: int) -> bool:
+        """Whether a line of `level` (logging.DEBUG, ...) would be emitted: a guard for
+        a line on the hot path, where even an unemitted call costs its arguments."""
+        return self._bound().is_enabled_for(level)  # type: ignore[no-any-return]
+
     def __getattr__(self, name: str) -> Any:  # the rest of the bound logger's interface
         if name.startswith("__"):  # introspection (copy, abc, inspect): not a log method
             raise AttributeError(name)

@@ -17,9 +17,9 @@ nri_accel.nri (stub, adjust, convert).
 
 Most containers on a node ask for nothing: a CreateContainer whose pod and container
 carry no annotation key and no env entry the request parser reads, and whose creation
-replaces no grant, is answered empty at once, read straight from the protobuf messages
-(no ContainerInfo, no parse), and logged at debug; every other one gets the canonical
-info line, devices or not.
+replaces no grant, is answered empty at once: its request decoded only at a glance
+(convert.decode_create), no ContainerInfo, no parse, logged at debug only; every other
+one gets the canonical info line, devices or not.
 
 Logs go to stderr, or to --log-file. A plugin the runtime launches itself
 (pre-registered: NRI_PLUGIN_SOCKET set) has stdout and stderr on /dev/null, so its
@@ -39,6 +39,8 @@ import re
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
+from logging import DEBUG
 from typing import Any
 
 from nri_accel import log as logging_setup
@@ -77,9 +79,16 @@ class AccelPlugin:
     REMOVE_CONTAINER). `on_change` is called after every change of the holdings (the
     checkpoint writer)."""
 
-    request_decoders = convert.REQUEST_DECODERS  # the stub decodes what convert reads
-
     def __init__(self, engine: Engine, on_change: Any = None) -> None:
+        # The stub decodes what convert reads, a CreateContainer first at a glance:
+        # for a container that asks for nothing, that glance is all there is to read.
+        # It asks when one of its pod's or its own annotation keys, or an entry of its
+        # env, is one the request parser reads (else Engine.plan would answer an
+        # empty adjustment; an env that sets a visibility variable is read, and
+        # rewritten).
+        self.request_decoders = {**convert.REQUEST_DECODERS, "CreateContainer": partial(
+            convert.decode_create, asks=convert.mention_test(ANNOTATION_PREFIXES,
+                                                             ENV_PREFIXES, ENV_SCOPE))}
         self.engine = engine
         self._on_change = on_change or (lambda: None)
         self.requests = RequestRecorder.for_events(RUN_EVENTS)
@@ -122,17 +131,21 @@ class AccelPlugin:
 
     def create_container(self, pod: Any, container: Any) -> Any:
         started = time.perf_counter_ns()
+        if convert.is_glance(container) and not self.engine.holds(
+                container.id, pod.uid or pod.id, convert.container_name(container)):
+            # Most containers on a node ask for nothing: seen so at a glance (see
+            # request_decoders), and replacing no grant (which plan() and commit()
+            # would release), they are answered at once, empty (the stub sends b""),
+            # without a ContainerInfo, a parse or an info line (about a tenth of what
+            # the full path costs; bench_roundtrip.py).
+            self._created.record(OK, (time.perf_counter_ns() - started) / 1e9)
+            if log.is_enabled_for(DEBUG):
+                log.debug("container_created", container_id=container.id, devices=[],
+                          asked="nothing")
+            return None
         if convert.is_large(container):
             return self._create_large(pod, container, started)
         env = convert.container_env(container, ENV_SCOPE)
-        if self._asks_nothing(pod, container, env):
-            # Most containers on a node ask for nothing: they are answered at once, empty
-            # (the stub sends b""), without a ContainerInfo, a parse or an info line
-            # (about a tenth of what the full path costs; bench_roundtrip.py).
-            self._created.record(OK, (time.perf_counter_ns() - started) / 1e9)
-            log.debug("container_created", container_id=container.id, devices=[],
-                      asked="nothing")
-            return None
         return self._create(convert.container_info(pod, container, env), started)
 
     async def _create_large(self, pod: Any, container: Any, started: int) -> Any:
@@ -176,17 +189,6 @@ class AccelPlugin:
                  cdi_devices=list(plan.cdi_devices), notes=list(plan.notes),
                  duration_us=elapsed // 1000)
         return result
-
-    def _asks_nothing(self, pod: Any, container: Any, env: tuple[str, ...]) -> bool:
-        """Whether the container asks for nothing and holds nothing: none of its pod's
-        and its own annotation keys, nor an entry of its env, is one the request parser
-        reads (Engine.plan would answer an empty adjustment; an env that sets a
-        visibility variable is read, and rewritten), and no grant is recorded that its
-        creation would replace (plan() and commit() release that one)."""
-        return not (
-            convert.mentions(pod, container, ANNOTATION_PREFIXES, env, ENV_PREFIXES)
-            or self.engine.holds(container.id, pod.uid or pod.id,
-                                 convert.container_name(container)))
 
     def _refused(self, info: ContainerInfo, exc: Exception, started: int) -> None:
         elapsed = time.perf_counter_ns() - started

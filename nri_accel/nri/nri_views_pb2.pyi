@@ -14,6 +14,33 @@ class CreateContainerRequest(_message.Message):
     container: Container
     def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ..., container: _Optional[_Union[Container, _Mapping]] = ...) -> None: ...
 
+class GlanceCreateContainerRequest(_message.Message):
+    __slots__ = ("pod", "container")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    pod: PodSandbox
+    container: GlanceContainer
+    def __init__(self, pod: _Optional[_Union[PodSandbox, _Mapping]] = ..., container: _Optional[_Union[GlanceContainer, _Mapping]] = ...) -> None: ...
+
+class GlanceContainer(_message.Message):
+    __slots__ = ("id", "name", "annotations", "env")
+    class AnnotationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    annotations: _containers.ScalarMap[str, str]
+    env: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., annotations: _Optional[_Mapping[str, str]] = ..., env: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class SynchronizeRequest(_message.Message):
     __slots__ = ("pods", "containers", "more")
     PODS_FIELD_NUMBER: _ClassVar[int]

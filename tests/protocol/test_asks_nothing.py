@@ -58,11 +58,19 @@ def create(accel: AccelPlugin, *, namespace: str = "sandbox", name: str = "main"
                     "annotations": pod_annotations or UNRELATED_POD})
     ctr = make_container(pod, {"name": name, "env": env if env is not None else UNRELATED_ENV,
                                "annotations": annotations or {}, "id": cid})
+    req = served(accel, pod, ctr)
     with capture_logs() as logs:
-        encoded = accel.create_container(pod, ctr)  # the adjustment's bytes, or None
+        encoded = accel.create_container(req.pod, req.container)  # the adjustment, or None
         if inspect.iscoroutine(encoded):  # a large env: searched in parts, the loop free
             encoded = asyncio.run(encoded)
     return None if encoded is None else pb.ContainerAdjustment.FromString(encoded), logs
+
+
+def served(accel: AccelPlugin, pod: Any, ctr: Any) -> Any:
+    """The request as the daemon's stub hands it to `accel`: encoded, then decoded as
+    the plugin asks (at a glance, or as the full or the large view)."""
+    payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+    return accel.request_decoders["CreateContainer"](payload)
 
 
 def infos(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -103,9 +111,8 @@ def test_nvidia_visible_devices_all_in_an_untrusted_namespace_is_still_rewritten
 def served_large(accel: AccelPlugin, pod: Any, ctr: Any) -> tuple[Any, int]:
     """A create over convert.LARGE_REQUEST bytes as the daemon serves it (decoded as the
     large view, answered by a coroutine): the answer, and how often the loop turned."""
-    payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
-    assert len(payload) > convert.LARGE_REQUEST
-    req = convert.decode_create(payload)
+    req = served(accel, pod, ctr)
+    assert convert.is_large(req.container)
     turns = 0
 
     async def main() -> Any:
@@ -283,11 +290,13 @@ ENV = (*(f"{n}{v}" for n in ("NVIDIA_VISIBLE_DEVICES", "NV_GPU", "CUDA_VERSION",
 
 def test_what_the_fast_path_answers_empty_the_parser_would_have_asked_nothing_of() -> None:
     """Random containers over the keys and variables the families read and their near
-    misses: whenever none of its keys or entries is one the parser reads (the test the
-    fast path makes), parse() finds nothing to ask, raises nothing, and the Engine's
+    misses: the fast path's test (the plugin's glance decoder) finds that a container
+    asks exactly when one of its keys or entries starts as one the parser reads; and
+    whenever none does, parse() finds nothing to ask, raises nothing, and the Engine's
     full path answers an empty adjustment."""
     rng = random.Random(10)
     engine = Engine(demo_inventory(), Config(policy=PolicyConfig("standalone")))
+    accel = AccelPlugin(engine)
     asked_nothing = 0
     for i in range(3000):
         pod = {rng.choice(KEYS): rng.choice(VALUES) for _ in range(rng.randrange(3))}
@@ -295,6 +304,10 @@ def test_what_the_fast_path_answers_empty_the_parser_would_have_asked_nothing_of
         env = tuple(rng.choice(ENV) for _ in range(rng.randrange(4)))
         mentioned = (any(k.startswith(ANNOTATION_PREFIXES) for k in (*pod, *ctr))
                      or any(e.startswith(ENV_PREFIXES) for e in env))
+        message = make_pod({"name": "p", "annotations": pod})
+        req = served(accel, message, make_container(message, {
+            "name": "main", "annotations": ctr, "env": list(env)}))
+        assert convert.is_glance(req.container) is not mentioned, (pod, ctr, env)
         if mentioned:
             continue
         asked_nothing += 1
@@ -305,3 +318,17 @@ def test_what_the_fast_path_answers_empty_the_parser_would_have_asked_nothing_of
         assert not (plan.devices or plan.edits.env or plan.edits.device_nodes
                     or plan.edits.mounts or plan.annotations or plan.unset_env)
     assert asked_nothing > 100
+
+
+@pytest.mark.parametrize("strings, expected", [
+    ((), False),
+    (("cdi.k8s.io",), False),  # shorter than the shortest prefix
+    (("devices.nri", "nri-accel.io/grant"), False),  # the first characters of a prefix only
+    (("x", "nri-accel.io/granted"), True),
+    (("cdi.k8s.io/vendor",), True),  # the shortest prefix, and more
+], ids=["none", "short", "first characters", "a prefix", "the shortest"])
+def test_prefix_test_is_str_startswith_over_any_string(strings: tuple[str, ...],
+                                                       expected: bool) -> None:
+    assert convert.prefix_test(ANNOTATION_PREFIXES)(strings) is expected
+    assert any(s.startswith(ANNOTATION_PREFIXES) for s in strings) is expected
+    assert convert.prefix_test(())(strings) is False

@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from demo_node import demo_inventory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from wire import CAPTURES, relay_conns, runtime_requests
 
+from nri_accel.config import Config
+from nri_accel.engine import Engine
 from nri_accel.nri import convert
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri import nri_views_pb2 as views
@@ -22,7 +25,8 @@ from nri_accel.plugin import AccelPlugin
 STANDS_FOR = {"SyncedContainer": "Container", "LargeCreateContainerRequest":
               "CreateContainerRequest", "LargePodSandbox": "PodSandbox",
               "LargeContainer": "Container", "EndedPod": "PodSandbox",
-              "EndedContainer": "Container"}
+              "EndedContainer": "Container", "GlanceCreateContainerRequest":
+              "CreateContainerRequest", "GlanceContainer": "Container"}
 FULL_REQUESTS = {"CreateContainer": pb.CreateContainerRequest,
                  "Synchronize": pb.SynchronizeRequest,
                  "StopContainer": pb.StopContainerRequest,
@@ -67,7 +71,7 @@ def _mismatches(view: Descriptor, full: Descriptor) -> list[str]:
 
 def test_every_view_field_is_the_nri_field_of_that_name() -> None:
     messages = list(views.DESCRIPTOR.message_types_by_name.values())
-    assert len(messages) == 17
+    assert len(messages) == 19
     assert [m for view in messages for m in _mismatches(view, _counterpart(view))] == []
 
 
@@ -120,8 +124,9 @@ def test_captured_requests_read_the_same_through_their_views(nri_wire_dir: Path,
                 assert _same(convert.REQUEST_DECODERS[method](payload), full) == [], (
                     capture, method)
                 if method == "CreateContainer":
-                    large = views.LargeCreateContainerRequest.FromString(payload)
-                    assert _same(large, full) == [], (capture, method)
+                    for view in (views.LargeCreateContainerRequest,
+                                 views.GlanceCreateContainerRequest):
+                        assert _same(view.FromString(payload), full) == [], (capture, view)
                 checked += 1
     assert checked
 
@@ -210,8 +215,19 @@ def test_a_create_over_large_request_bytes_is_decoded_as_the_large_view() -> Non
 
 
 def test_the_daemon_reads_creates_and_synchronize_through_the_views() -> None:
-    assert AccelPlugin.request_decoders is convert.REQUEST_DECODERS
     assert set(convert.REQUEST_DECODERS) == set(FULL_REQUESTS)
+    decoders = AccelPlugin(Engine(demo_inventory(), Config())).request_decoders
+    assert {m: d for m, d in decoders.items() if m != "CreateContainer"} == {
+        m: d for m, d in convert.REQUEST_DECODERS.items() if m != "CreateContainer"}
+    # a CreateContainer at a glance, and in the full view only when it asks
+    pod = make_pod({"name": "p", "annotations": {"prometheus.io/scrape": "true"}})
+    for env, view in ((["PATH=/bin"], "GlanceContainer"),
+                      (["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=0"], "Container")):
+        ctr = make_container(pod, {"name": "c", "env": env})
+        payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+        req = decoders["CreateContainer"](payload)
+        assert req.container.DESCRIPTOR.full_name == f"nri_accel.views.v1.{view}"
+        assert list(req.container.env) == env
 
 
 def test_the_requests_that_end_a_container_or_a_pod_are_read_for_their_ids() -> None:
