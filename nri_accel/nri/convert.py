@@ -40,7 +40,7 @@ import json
 import sys
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from functools import lru_cache
-from operator import itemgetter, methodcaller
+from operator import attrgetter, itemgetter, methodcaller
 from types import MappingProxyType
 from typing import Any
 
@@ -164,10 +164,11 @@ def container_info(pod: Pod, container: Container, env: tuple[str, ...] | None =
     own = container.annotations if annotations is None else annotations
     if is_glance(container):
         device_paths = mount_destinations = frozenset()
+    # (a repeated field sliced, as in container_env(); read by attrgetter, in C)
     if device_paths is None:
-        device_paths = frozenset(d.path for d in container.linux.devices)
+        device_paths = frozenset(map(attrgetter("path"), container.linux.devices[:]))
     if mount_destinations is None:
-        mount_destinations = frozenset(m.destination for m in container.mounts)
+        mount_destinations = frozenset(map(attrgetter("destination"), container.mounts[:]))
     return ContainerInfo(
         namespace=pod.namespace,
         pod_name=pod.name,

@@ -74,7 +74,7 @@ def test_serves_a_saved_inventory_and_stops_cleanly_on_sigterm(
     assert dp.returncode == 0, dp.stderr
     kubelet.wait_for(lambda: conn.ended, "the ListAndWatch stream ends")
     assert sorted(os.listdir(kubelet.directory)) == ["kubelet.sock"]
-    assert '"event": "registered"' in dp.stderr and '"event": "stopped"' in dp.stderr
+    assert '"event":"registered"' in dp.stderr and '"event":"stopped"' in dp.stderr
 
 
 @pytest.mark.slow
@@ -99,7 +99,7 @@ def test_watches_the_host_root_and_serves_what_changes(kubelet: FakeKubelet,
         assert not amd.ended
         assert scrape(address).value("nri_accel_inventory_refreshes_total") == 1
     assert dp.returncode == 0, dp.stderr
-    assert '"event": "resource_removed"' in dp.stderr
+    assert '"event":"resource_removed"' in dp.stderr
 
 
 def test_a_missing_kubelet_directory_is_a_configuration_error(tmp_path: Path) -> None:

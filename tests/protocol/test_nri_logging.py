@@ -80,3 +80,22 @@ def test_a_json_line_carries_a_utc_timestamp_and_renders_any_value() -> None:
         r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", stamp)
     assert before.replace(microsecond=0) <= datetime.fromisoformat(stamp) <= after
     assert line["devices"] == ["nvidia.com/gpu=0"] and line["odd"] == repr(set)
+
+
+def test_a_json_line_stays_one_line_whatever_a_pod_names() -> None:
+    # names come from whoever wrote the pod: newlines and control characters are
+    # escaped, so a name cannot forge a second line; other characters are kept as UTF-8
+    out = io.StringIO()
+    log.configure(level="info", fmt="json", file=out)
+    LOG.info("container_created", pod='p\n{"event": "forged"}\x1b[2J', namespace="équipe-數")
+    text = out.getvalue()
+    assert text.count("\n") == 1 and "\x1b" not in text and "équipe-數" in text
+    (line,) = lines(out)
+    assert (line["pod"], line["namespace"]) == ('p\n{"event": "forged"}\x1b[2J', "équipe-數")
+
+
+def test_is_enabled_for_follows_the_latest_configuration() -> None:
+    log.configure(level="info", fmt="json", file=io.StringIO())
+    assert LOG.is_enabled_for(logging.INFO) and not LOG.is_enabled_for(logging.DEBUG)
+    log.configure(level="debug", fmt="json", file=io.StringIO())
+    assert LOG.is_enabled_for(logging.DEBUG)
