@@ -145,8 +145,8 @@ class AccelPlugin:
             return None
         if convert.is_large(container):
             return self._create_large(pod, container, started)
-        env = convert.container_env(container, ENV_SCOPE)
-        return self._create(convert.container_info(pod, container, env), started)
+        return self._create(convert.read_container_info(
+            pod, container, ENV_SCOPE, ANNOTATION_PREFIXES, CONTAINER_KEYS), started)
 
     async def _create_large(self, pod: Any, container: Any, started: int) -> Any:
         """A request over convert.LARGE_REQUEST bytes, in the large view (a 4 MiB one

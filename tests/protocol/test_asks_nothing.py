@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from demo_node import demo_inventory
+from msgspec.structs import replace
 from structlog.testing import capture_logs
 
 from nri_accel.config import Config, PolicyConfig
@@ -332,3 +333,34 @@ def test_prefix_test_is_str_startswith_over_any_string(strings: tuple[str, ...],
     assert convert.prefix_test(ANNOTATION_PREFIXES)(strings) is expected
     assert any(s.startswith(ANNOTATION_PREFIXES) for s in strings) is expected
     assert convert.prefix_test(())(strings) is False
+
+
+def test_a_container_is_read_as_the_large_view_reads_it_keeping_the_keys_the_engine_reads(
+) -> None:
+    # CRI-O: no NRI name (named from its metadata), and a copy of the pod's annotation
+    pod = make_pod({"name": "p", "namespace": "ml", "annotations": {
+        "prometheus.io/scrape": "true", "devices.nri-accel.io/container.main": "nvidia.com/gpu=0"}})
+    ctr = make_container(pod, {"name": "", "env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=1"],
+                               "annotations": {
+                                   "io.kubernetes.cri.sandbox-id": "s1",
+                                   "devices.nri-accel.io/container.main": "nvidia.com/gpu=0",
+                                   convert.CRIO_METADATA: '{"name": "main"}',
+                                   "cdi.k8s.io/x": "vendor.com/class=a"}})
+    payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+    keys = (ANNOTATION_PREFIXES, (*ANNOTATION_PREFIXES, convert.CRIO_METADATA))
+    view = convert.decode_create(payload)
+    small = convert.read_container_info(view.pod, view.container, ENV_PREFIXES, *keys)
+    large = convert.views.LargeCreateContainerRequest.FromString(payload)
+    steps = convert.large_container_info(large.pod, large.container, ENV_PREFIXES, *keys)
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(steps)
+    read = done.value.value  # of the env, only the entries in scope; a small env is whole
+    assert read.env == convert.env_entries(small.env, ENV_PREFIXES) == (
+        "NVIDIA_VISIBLE_DEVICES=1",)
+    assert replace(small, env=read.env) == read
+    assert small.container_name == "main"
+    assert dict(small.pod_annotations) == {
+        "devices.nri-accel.io/container.main": "nvidia.com/gpu=0"}
+    assert sorted(small.container_annotations) == [
+        "cdi.k8s.io/x", "devices.nri-accel.io/container.main", convert.CRIO_METADATA]
