@@ -13,10 +13,13 @@ kernel's part of the socket I/O or anything the machine's load does to timings, 
 the figure is the same on a busy machine and a quiet one (round-trip times, which
 bench_roundtrip.py prints, are not).
 
-Then the same for the hot path alone, in process: each container of bench_hotpath.py's
-CASES planned, its adjustment encoded, and released, --calls times and
-none (after the same warm-up); the figure to compare two trees by (a refactor that
-claims "no slower"), where bench_hotpath.py's microseconds move with the load.
+Then, in process, the daemon's CreateContainer handler from the request's bytes to the
+answer's (the stub's decoding, the plugin, the canonical log line), for the captured
+request asking nothing and asking for one GPU; and the hot path alone: each container
+of bench_hotpath.py's CASES planned, its adjustment encoded, and released. Each
+--calls times and none (after the same warm-up); the figures to compare two trees by
+(a refactor that claims "no slower"), where bench_hotpath.py's microseconds move with
+the load.
 """
 
 from __future__ import annotations
@@ -67,6 +70,30 @@ for i in range(200 + int(sys.argv[2])):
     engine.release(f"c{{i}}")
 """
 
+# argv: "nothing" or "gpu", the calls to make after the warm-up. The daemon's own
+# handler for a CreateContainer, from the request's bytes to the answer's: decoding (at
+# a glance, then in full if it asks), the plugin, the canonical line (to /dev/null).
+THROUGH_STUB = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from bench_hotpath import DEMO
+from bench_roundtrip import captured_request, variant
+from nri_accel import log
+from nri_accel.config import Config, PolicyConfig
+from nri_accel.engine import Engine
+from nri_accel.inventory import Inventory
+from nri_accel.nri.stub import Identity, Stub
+from nri_accel.plugin import AccelPlugin
+
+log.configure(level="info", fmt="json", file=open("/dev/null", "w"))
+engine = Engine(Inventory.load(DEMO), Config(policy=PolicyConfig("standalone")))
+stub = Stub(AccelPlugin(engine), Identity("bench", "10"), socket_path="/nonexistent")
+asks = {{"gpu": {{"devices.nri-accel.io/container.c0": "nvidia.com/gpu=0"}}}}
+payload = variant(captured_request(), asks.get(sys.argv[1], {{}}))
+for i in range(200 + int(sys.argv[2])):
+    stub._create_container(None, payload)  # a create of the same id replaces its grant
+"""
+
 
 async def run_all(requests: int, out: Path) -> dict[str, int]:
     """Instructions each plugin process executed, answering `requests` requests."""
@@ -107,11 +134,12 @@ def total(callgrind_out: Path) -> int:
     return int(found.group(1)) if found else 0
 
 
-def hot_path(case: str, calls: int, out: Path) -> int:
-    """Instructions the HOT_PATH process executed making `calls` calls of `case`."""
-    file = out / f"hot-path-{calls}.out"
+def in_process(script: str, case: str, calls: int, out: Path) -> int:
+    """Instructions a process running `script` (HOT_PATH, THROUGH_STUB) executed making
+    `calls` calls of `case`."""
+    file = out / f"in-process-{calls}.out"
     subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={file}",
-                    sys.executable, "-c", HOT_PATH, case, str(calls)],
+                    sys.executable, "-c", script, case, str(calls)],
                    stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
     return total(file)
 
@@ -134,12 +162,18 @@ def main() -> int:
           f"(callgrind, {args.requests} requests):")
     for name in PLUGINS:
         print(f"  {name:10} {per[name] / 1000:7.1f} k   {per[name] / per['floor']:.2f}x the floor")
-    print(f"\nhot path instructions per container, in process (callgrind, {args.calls} "
-          "calls of bench_hotpath.py's plan + adjustment + release):")
     with tempfile.TemporaryDirectory(prefix="nri-bench-callgrind-") as out:
+        print(f"\nthe daemon's CreateContainer handler, in process (callgrind, {args.calls} "
+              "calls from the request's bytes to the answer's, the log line included):")
+        for case, what in (("nothing", "asking for nothing"), ("gpu", "1 GPU, by annotation")):
+            calls = (in_process(THROUGH_STUB, case, args.calls, Path(out))
+                     - in_process(THROUGH_STUB, case, 0, Path(out))) / args.calls
+            print(f"  {what:44} {calls / 1000:7.1f} k", flush=True)
+        print(f"\nhot path instructions per container, in process (callgrind, {args.calls} "
+              "calls of bench_hotpath.py's plan + adjustment + release):")
         for case in CASES:
-            calls = (hot_path(case, args.calls, Path(out))
-                     - hot_path(case, 0, Path(out))) / args.calls
+            calls = (in_process(HOT_PATH, case, args.calls, Path(out))
+                     - in_process(HOT_PATH, case, 0, Path(out))) / args.calls
             print(f"  {case:44} {calls / 1000:7.1f} k", flush=True)
     return 0
 
