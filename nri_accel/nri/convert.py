@@ -93,9 +93,9 @@ REQUEST_DECODERS = {"CreateContainer": decode_create,
                     "StateChange": views.StateChangeEvent.FromString}
 """How a plugin reading containers through this module has the stub decode the requests
 that carry containers (the stub's `request_decoders`): as views of every field
-container_info(), container_name(), mention_test()'s tests and synced() read, and of the requests
-that end a container or a pod, their ids; no other field. (A plugin that answers a
-container asking nothing at a glance has decode_create given its test.)"""
+container_info(), container_name(), mention_test()'s tests and synced() read, and of
+the requests that end a container or a pod, their ids; no other field. (A plugin that
+answers a container asking nothing at a glance gives decode_create its test.)"""
 
 
 def is_large(container: Container) -> bool:
