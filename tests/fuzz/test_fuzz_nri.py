@@ -46,8 +46,14 @@ from nri_accel.errors import InternalError, NriAccelError
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri import nri_views_pb2 as views
 from nri_accel.nri.adjust import build_adjustment
-from nri_accel.nri.convert import REQUEST_DECODERS, container_info, large_container_info
-from nri_accel.plugin import CONTAINER_KEYS
+from nri_accel.nri.convert import (
+    REQUEST_DECODERS,
+    container_info,
+    is_glance,
+    large_container_info,
+    read_container_info,
+)
+from nri_accel.plugin import CONTAINER_KEYS, AccelPlugin
 from nri_accel.request import ANNOTATION_PREFIXES
 
 CONFIGS = {
@@ -56,6 +62,8 @@ CONFIGS = {
     "trusting": Config(policy=PolicyConfig("kubernetes", frozenset({"gpu-operator"}))),
 }
 NODES = {"demo": demo_inventory, "mixed": mixed_inventory}
+SERVED = AccelPlugin(Engine(demo_inventory(), Config())).request_decoders["CreateContainer"]
+"""How the daemon decodes a CreateContainer (its decoders depend on no Engine state)."""
 
 
 @functools.cache
@@ -112,8 +120,10 @@ def damaged(draw: st.DrawFn, data: bytes) -> bytes:
 
 
 def create(eng: Engine, data: bytes) -> None:
-    """One CreateContainer as nri_accel.plugin serves it: decoded as its view (these
-    requests are under convert.LARGE_REQUEST bytes: the view with annotation maps)."""
+    """One CreateContainer as nri_accel.plugin serves it: decoded at a glance, then as
+    its view when it asks (these requests are under convert.LARGE_REQUEST bytes: the
+    view with annotation maps), and read keeping the annotations the Engine reads; each
+    step held to what the whole message and the large view give."""
     try:
         req = REQUEST_DECODERS["CreateContainer"](data)
     except DecodeError:
@@ -136,6 +146,14 @@ def create(eng: Engine, data: bytes) -> None:
                                  CONTAINER_KEYS)
     if not set_aside:
         assert planned(eng, _value(steps)) == planned(eng, info)
+    served = SERVED(data)
+    if is_glance(served.container):  # it asks nothing: the whole path answers nothing
+        answer = planned(eng, info)
+        assert len(answer) > 2 and not any(answer[:5]), answer
+    else:
+        read = read_container_info(served.pod, served.container, ENV_SCOPE,
+                                   ANNOTATION_PREFIXES, CONTAINER_KEYS)
+        assert planned(eng, read) == planned(eng, info)
     try:
         full = pb.CreateContainerRequest.FromString(data)
     except DecodeError:  # damage in a field the view skips: the daemon never reads it
