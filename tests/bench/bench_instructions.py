@@ -163,18 +163,20 @@ def main() -> int:
     for name in PLUGINS:
         print(f"  {name:10} {per[name] / 1000:7.1f} k   {per[name] / per['floor']:.2f}x the floor")
     with tempfile.TemporaryDirectory(prefix="nri-bench-callgrind-") as out:
+
+        def show(script: str, case: str, what: str) -> None:
+            calls = (in_process(script, case, args.calls, Path(out))
+                     - in_process(script, case, 0, Path(out))) / args.calls
+            print(f"  {what:44} {calls / 1000:7.1f} k", flush=True)
+
         print(f"\nthe daemon's CreateContainer handler, in process (callgrind, {args.calls} "
               "calls from the request's bytes to the answer's, the log line included):")
-        for case, what in (("nothing", "asking for nothing"), ("gpu", "1 GPU, by annotation")):
-            calls = (in_process(THROUGH_STUB, case, args.calls, Path(out))
-                     - in_process(THROUGH_STUB, case, 0, Path(out))) / args.calls
-            print(f"  {what:44} {calls / 1000:7.1f} k", flush=True)
+        show(THROUGH_STUB, "nothing", "asking for nothing")
+        show(THROUGH_STUB, "gpu", "1 GPU, by annotation")
         print(f"\nhot path instructions per container, in process (callgrind, {args.calls} "
               "calls of bench_hotpath.py's plan + adjustment + release):")
         for case in CASES:
-            calls = (in_process(HOT_PATH, case, args.calls, Path(out))
-                     - in_process(HOT_PATH, case, 0, Path(out))) / args.calls
-            print(f"  {case:44} {calls / 1000:7.1f} k", flush=True)
+            show(HOT_PATH, case, case)
     return 0
 
 
