@@ -13,9 +13,9 @@ fails at start with a readable reason.
 
 The probe registers a second, short-lived plugin on the NRI socket, waits for the
 runtime's Configure (its name, version, NRI version and timeouts) and first Synchronize
-(what it lists), then closes the connection; all within --timeout seconds, so a runtime
-that accepts the connection but never answers is an error, never a hang. It changes
-nothing on the node:
+(what it lists), and closes the connection SETTLE seconds after answering it; the waits
+are bounded by --timeout seconds, so a runtime that accepts the connection but never
+answers is an error, never a hang. It changes nothing on the node:
 - it registers as PROBE_NAME, never as nri-accel: the runtime keeps a plugin per
   connection and refuses no duplicate name (nri pkg/adaptation acceptPluginConnections
   and RegisterPlugin check only the name's syntax), so it registers beside a running
@@ -62,6 +62,15 @@ answers in milliseconds; the runtime accepts plugins one at a time, each bounded
 own registration and request timeouts (5 s and 2 s by default), so a probe queued behind
 another plugin's registration still fits."""
 
+SETTLE = 0.25
+"""Seconds the probe stays connected after answering Synchronize. The runtime must read
+the answer before it sees the connection end: its NRI multiplexer (nri pkg/net/multiplex)
+hands a connection's frames and its close to the ttrpc client through two channels that
+one Go select reads, picking at random among the ready ones, so a probe that closed right
+after answering could make the runtime fail the Synchronize ("failed to synchronize
+plugin: ttrpc: closed") and log an error for a check that passed. Reading a queued frame
+takes the runtime microseconds; a quarter second covers a loaded node."""
+
 Finding = rc.Finding
 
 
@@ -102,7 +111,8 @@ class ProbeResult(Struct, frozen=True):
 
 async def probe(socket_path: str, identity: Identity, timeout: float) -> ProbeResult:
     """Register `identity` on `socket_path`, wait for Configure and the first Synchronize
-    (at most `timeout` seconds), disconnect. Never raises for the runtime's behaviour."""
+    (at most `timeout` seconds), disconnect SETTLE seconds after answering it. Never raises
+    for the runtime's behaviour."""
     plugin = ProbePlugin()
     stub = Stub(plugin, identity, socket_path=socket_path)
     runner = asyncio.get_running_loop().create_task(stub.run())
@@ -111,11 +121,8 @@ async def probe(socket_path: str, identity: Identity, timeout: float) -> ProbeRe
     try:
         await asyncio.wait((synced, runner), timeout=timeout,
                            return_when=asyncio.FIRST_COMPLETED)
-        # The Synchronize answer is written as the handler returns; a few loop turns
-        # let it out should the stub ever answer from a task. Closing the transport
-        # then sends what is buffered before the runtime sees the plugin go.
-        for _ in range(3):
-            await asyncio.sleep(0)
+        if synced.done() and not runner.done():
+            await asyncio.wait((runner,), timeout=SETTLE)
     finally:
         synced.cancel()
         stub.stop()

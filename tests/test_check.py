@@ -14,6 +14,7 @@ import shutil
 import socket
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from nri_accel import runtime_config as rc
-from nri_accel.check import runtime_config_findings
+from nri_accel.check import SETTLE, runtime_config_findings
 from nri_accel.cli import main
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.nri import nri_pb2 as pb
@@ -107,15 +108,21 @@ def test_timeout_must_be_positive_seconds(value, capsys) -> None:
 # ---- the probe against a runtime ------------------------------------------------------------
 
 class Recorder:
-    """Wraps Simulator.plugin_ready: the plugins that were configured and synchronised."""
+    """Wraps Simulator.plugin_ready: the plugins that were configured and synchronised,
+    and how long each stayed connected after its Synchronize answer was read (seconds,
+    monotonic clock)."""
 
     def __init__(self, sim: Simulator) -> None:
         self.ready: list[tuple[str, int]] = []
+        self.stayed: list[float] = []
         self._inner = sim.plugin_ready
         sim.plugin_ready = self  # type: ignore[method-assign]
 
     def __call__(self, conn: PluginConn) -> None:
         self.ready.append((conn.full_name, conn.events))
+        answered = time.monotonic()
+        conn.mux.lost.add_done_callback(
+            lambda _: self.stayed.append(time.monotonic() - answered))
         self._inner(conn)
 
 
@@ -157,7 +164,7 @@ def test_a_registering_runtime_is_reported_and_left_as_it_was(runtime, short_dir
     kwargs, said = RUNTIMES[runtime]
     path = short_dir / "nri.sock"
 
-    async def go() -> tuple[int, list[tuple[str, int]], int]:
+    async def go() -> tuple[int, Recorder, int]:
         async with Simulator(str(path), request_timeout=2.0, registration_timeout=5.0,
                              **kwargs) as sim:
             populate(sim)
@@ -165,18 +172,21 @@ def test_a_registering_runtime_is_reported_and_left_as_it_was(runtime, short_dir
             code = await run_check(["check", "--inventory", str(DEMO), "--socket",
                                     str(path), "--timeout", "30"])
             await sim.wait_for(lambda s: not s.connections, timeout=10)
-            return code, seen.ready, len(sim.dropped)
+            return code, seen, len(sim.dropped)
 
-    code, ready, dropped = scenario(go())
+    code, seen, dropped = scenario(go())
     out = capsys.readouterr().out
     assert code == 0, out
     name = said.split(" (")[0]
     assert f"ok: NRI socket {path}: {said} registered the probe 99-nri-accel-check" in out
     assert f"ok: {name} synchronized 2 pods and 3 containers" in out
     assert f"ok: {name} timeouts: request 2 s, registration 5 s" in out
-    # It subscribed to the one notification, then went away without being dropped.
-    assert ready == [("99-nri-accel-check", event_bit(pb.POST_UPDATE_CONTAINER))]
+    # It subscribed to the one notification, then went away without being dropped, and
+    # not at once: the runtime's reader must take the answer before it sees the close
+    # (check.SETTLE; half of it here, for the answer's own way to the simulator).
+    assert seen.ready == [("99-nri-accel-check", event_bit(pb.POST_UPDATE_CONTAINER))]
     assert dropped == 0
+    assert len(seen.stayed) == 1 and seen.stayed[0] >= SETTLE / 2, seen.stayed
 
 
 def test_a_short_request_timeout_is_a_warning(short_dir, capsys) -> None:
