@@ -5,7 +5,7 @@ big-endian connection id, 4-byte big-endian payload length, then the payload), i
 limits, the sans-IO Demux and encode(), and MuxProtocol, the asyncio protocol that
 owns one NRI socket and routes each logical connection's bytes to a consumer (a ttrpc
 Endpoint). Imports the standard library, nri_accel.log, the size constants of
-nri_accel.ttrpc and its flow control (ReadGate).
+nri_accel.ttrpc and its flow control (GatedReader).
 
 Connection 1 carries the Plugin service (the runtime calls the plugin), connection 2
 the Runtime service (the plugin calls the runtime); the same code serves both ends.
@@ -27,9 +27,9 @@ whatever a runtime sends, the plugin holds bounded memory. The runtime's side ke
 reading, as containerd's Go reader does (two sides that both stop would deadlock).
 Closing aborts the socket: nothing waits for a peer that does not read.
 
-Reads land in one reused buffer (asyncio.BufferedProtocol): a plain asyncio.Protocol
-gets a fresh 256 KiB bytes object per read, which glibc serves with mmap, page faults,
-mremap and munmap, about 20 us per message; the Demux copies out what it hands on.
+Reads land in one reused buffer (GatedReader): a plain asyncio.Protocol gets a fresh
+256 KiB bytes object per read, which glibc serves with mmap, page faults, mremap and
+munmap, about 20 us per message; the Demux copies out what it hands on.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import cast
 from nri_accel.log import get_logger
 from nri_accel.ttrpc import HEADER_SIZE as TTRPC_HEADER_SIZE
 from nri_accel.ttrpc import MAX_MESSAGE_SIZE
-from nri_accel.ttrpc.flow import ReadGate
+from nri_accel.ttrpc.flow import GatedReader
 
 PLUGIN_SERVICE_CONN = 1
 """Logical connection of the Plugin service: the runtime calls, the plugin serves."""
@@ -54,8 +54,6 @@ PROTOCOL_MAX_PAYLOAD = TTRPC_HEADER_SIZE + MAX_MESSAGE_SIZE
 """Longest frame payload a conforming peer sends (containerd/nri maxPayloadSize)."""
 WRITE_FRAME_SIZE = 4096
 """Longest frame payload this side writes: the read buffer size of Go ttrpc peers."""
-READ_BUFFER_SIZE = 256 * 1024
-"""Size of the buffer each socket read lands in (asyncio's own read size)."""
 UNKNOWN_CONNS_LOGGED = 8
 """Distinct unknown connection ids warned about per socket (a peer may send 2**32)."""
 
@@ -147,7 +145,7 @@ Sink = Callable[[bytes], None]
 LostHandler = Callable[[Exception | None], None]
 
 
-class MuxProtocol(asyncio.BufferedProtocol):
+class MuxProtocol(GatedReader):
     """Owns one NRI socket: routes each logical connection to its attached consumer.
 
     Attach consumers (normally ttrpc Endpoints: their data_received and
@@ -166,6 +164,7 @@ class MuxProtocol(asyncio.BufferedProtocol):
         frame_size: int = WRITE_FRAME_SIZE,
         max_payload: int = PROTOCOL_MAX_PAYLOAD,
     ) -> None:
+        super().__init__(serving=serving)
         self._demux = Demux(max_payload)
         self._frame_size = frame_size
         self._sinks: dict[int, Sink] = {}
@@ -173,8 +172,6 @@ class MuxProtocol(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._error: Exception | None = None
         self._dropped: set[int] = set()
-        self._gate = ReadGate(serving=serving)
-        self._buffer = memoryview(bytearray(READ_BUFFER_SIZE))
         self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
 
     def attach(self, conn_id: int, sink: Sink, on_lost: LostHandler) -> None:
@@ -216,22 +213,8 @@ class MuxProtocol(asyncio.BufferedProtocol):
     # ---- asyncio.Protocol -------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # Any loop's stream transport: uvloop's do not subclass asyncio.Transport.
-        transport = cast(asyncio.Transport, transport)
-        self._transport = transport
-        self._gate.connect(transport)
-
-    def pause_writing(self) -> None:
-        self._gate.writes_waiting(True)
-
-    def resume_writing(self) -> None:
-        self._gate.writes_waiting(False)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._buffer
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(self._buffer[:nbytes])
+        super().connection_made(transport)
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Route bytes read from the socket (a view of the reused read buffer is fine)."""

@@ -7,7 +7,8 @@ has its own exception root, TtrpcError. Layers, bottom up:
 - protocol: Connection, one connection's sans-IO state (bytes -> events, calls ->
   bytes) over the Request/Response envelope of api/ttrpc.proto (ttrpc_pb2);
 - endpoint: Endpoint, the asyncio server/client of one connection over any transport;
-- flow: ReadGate, when a socket adapter stops reading (its write buffer is full);
+- flow: ReadGate, when a socket adapter stops reading (its write buffer is full),
+  and GatedReader, the adapters' stream protocol (a reused read buffer, gated);
 - unix: serve_unix / connect_unix, Endpoints on unix sockets.
 See README.md beside this file for the API and an example.
 """

@@ -2,9 +2,9 @@
 
 Owns: ReadGate, which keeps a transport's reading paused while anything holds it
 (on a serving side: its write buffer over the high-water mark) and resumes it when
-nothing does, and the write buffer limits it sets. Imports asyncio only. Used by
-the socket adapters (unix.py here, the NRI multiplexer): their protocol's
-pause_writing/resume_writing call writes_waiting().
+nothing does, and the write buffer limits it sets; and GatedReader, the stream
+protocol the socket adapters (unix.py here, the NRI multiplexer) build on: it reads
+into one reused buffer and gates its transport. Imports asyncio only.
 
 Why reading stops when writing waits: on a connection that serves requests, what
 this side writes are answers to what it read. A peer that sends requests and does
@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Hashable
+from typing import cast
 
 WRITE_BUFFER_HIGH = 256 * 1024
 """Bytes queued for the peer above which asyncio calls pause_writing()."""
 WRITE_BUFFER_LOW = 64 * 1024
 """Bytes queued for the peer below which asyncio calls resume_writing()."""
+
+READ_BUFFER_SIZE = 256 * 1024
+"""Bytes a GatedReader reads at most at once."""
 
 _WRITE_BUFFER_FULL = "write buffer full"
 
@@ -72,3 +76,34 @@ class ReadGate:
                 transport.pause_reading()
         elif not transport.is_reading():
             transport.resume_reading()
+
+
+class GatedReader(asyncio.BufferedProtocol):
+    """A stream protocol whose reads land in one reused buffer (asyncio.Protocol would
+    allocate a fresh READ_BUFFER_SIZE bytes object per read) and whose transport a
+    ReadGate holds: `serving`, reading stops while the write buffer is full (see the
+    module doc). Subclasses take each read in data_received(), a view of the buffer
+    valid until it returns (copy what is kept), and call super().connection_made()."""
+
+    def __init__(self, *, serving: bool) -> None:
+        self._gate = ReadGate(serving=serving)
+        self._buffer = memoryview(bytearray(READ_BUFFER_SIZE))
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Any loop's stream transport: uvloop's do not subclass asyncio.Transport.
+        self._gate.connect(cast(asyncio.Transport, transport))
+
+    def pause_writing(self) -> None:
+        self._gate.writes_waiting(True)
+
+    def resume_writing(self) -> None:
+        self._gate.writes_waiting(False)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self._buffer[:nbytes])
+
+    def data_received(self, data: memoryview) -> None:
+        raise NotImplementedError

@@ -23,16 +23,12 @@ from typing import cast
 
 from .endpoint import Endpoint, Services
 from .errors import Code, TtrpcError
-from .flow import ReadGate
-
-_READ_BUFFER_SIZE = 256 * 1024
+from .flow import GatedReader
 
 
-class _EndpointProtocol(asyncio.BufferedProtocol):
+class _EndpointProtocol(GatedReader):
     """Feeds one socket's bytes to one Endpoint; the Endpoint writes to the socket.
-
-    Reads land in one reusable buffer (asyncio.Protocol would allocate a fresh 256 KiB
-    bytes object per read); the decoder copies out what it keeps before the next read.
+    The decoder copies out what it keeps of each read (GatedReader's buffer is reused).
     `serving`: reading stops while the write buffer is full (the server side).
     """
 
@@ -44,33 +40,22 @@ class _EndpointProtocol(asyncio.BufferedProtocol):
         *,
         serving: bool,
     ) -> None:
+        super().__init__(serving=serving)
         self._services = services
         self._on_made = on_made
         self._on_lost = on_lost
-        self._buffer = memoryview(bytearray(_READ_BUFFER_SIZE))
-        self._gate = ReadGate(serving=serving)
         self.endpoint: Endpoint | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # Any loop's stream transport: uvloop's do not subclass asyncio.Transport.
+        super().connection_made(transport)
         transport = cast(asyncio.Transport, transport)
-        self._gate.connect(transport)
         self.endpoint = Endpoint(transport.write, self._services, on_close=transport.abort)
         if self._on_made is not None:
             self._on_made(self.endpoint)
 
-    def pause_writing(self) -> None:
-        self._gate.writes_waiting(True)
-
-    def resume_writing(self) -> None:
-        self._gate.writes_waiting(False)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._buffer
-
-    def buffer_updated(self, nbytes: int) -> None:
+    def data_received(self, data: memoryview) -> None:
         assert self.endpoint is not None
-        self.endpoint.data_received(self._buffer[:nbytes])
+        self.endpoint.data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         assert self.endpoint is not None
