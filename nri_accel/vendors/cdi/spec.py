@@ -618,15 +618,23 @@ _MAX_YAML_DEPTH = 32  # a CDI spec nests 7 levels (spec, devices, device, edits,
 def _check_yaml_depth(text: str) -> None:
     """Refuse YAML nested deeper than _MAX_YAML_DEPTH before it is composed: libyaml's
     composer (CSafeLoader) recurses in C once per level, so 100,000 '[' overflow the
-    stack and kill the process (no exception to catch). Parse events are read in a loop."""
+    stack and kill the process (no exception to catch). Parse events are read in a loop.
+    The libyaml of PyYAML 6.0.4 and later also stops at 1,000 flow levels, in its
+    scanner, which reads a run of '[' ahead before the first event comes out: that
+    refusal is reported as this one, the same depth problem."""
     depth = 0
-    for event in yaml.parse(text, Loader=_YAML_LOADER):
-        if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
-            depth += 1
-            if depth > _MAX_YAML_DEPTH:
-                raise SpecError(f"nested deeper than {_MAX_YAML_DEPTH} levels")
-        elif isinstance(event, yaml.SequenceEndEvent | yaml.MappingEndEvent):
-            depth -= 1
+    try:
+        for event in yaml.parse(text, Loader=_YAML_LOADER):
+            if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
+                depth += 1
+                if depth > _MAX_YAML_DEPTH:
+                    raise SpecError(f"nested deeper than {_MAX_YAML_DEPTH} levels")
+            elif isinstance(event, yaml.SequenceEndEvent | yaml.MappingEndEvent):
+                depth -= 1
+    except yaml.MarkedYAMLError as exc:
+        if exc.problem == "exceeded maximum nesting depth":
+            raise SpecError(f"nested deeper than {_MAX_YAML_DEPTH} levels") from None
+        raise
 
 
 # ---- the version a spec needs (reading and writing) -----------------------------------
