@@ -613,6 +613,7 @@ def _vtuple(version: str) -> tuple[int, ...]:
 
 _YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _MAX_YAML_DEPTH = 32  # a CDI spec nests 7 levels (spec, devices, device, edits, hooks, ...)
+_TOO_DEEP = f"nested deeper than {_MAX_YAML_DEPTH} levels"
 
 
 def _check_yaml_depth(text: str) -> None:
@@ -628,12 +629,12 @@ def _check_yaml_depth(text: str) -> None:
             if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
                 depth += 1
                 if depth > _MAX_YAML_DEPTH:
-                    raise SpecError(f"nested deeper than {_MAX_YAML_DEPTH} levels")
+                    raise SpecError(_TOO_DEEP)
             elif isinstance(event, yaml.SequenceEndEvent | yaml.MappingEndEvent):
                 depth -= 1
     except yaml.MarkedYAMLError as exc:
         if exc.problem == "exceeded maximum nesting depth":
-            raise SpecError(f"nested deeper than {_MAX_YAML_DEPTH} levels") from None
+            raise SpecError(_TOO_DEEP) from None
         raise
 
 
