@@ -13,7 +13,8 @@ fails at start with a readable reason.
 
 The probe registers a second, short-lived plugin on the NRI socket, waits for the
 runtime's Configure (its name, version, NRI version and timeouts) and first Synchronize
-(what it lists), and closes the connection SETTLE seconds after answering it; the waits
+(what it lists), and stops: its stub closes the connection a quarter second after
+answering, once the runtime has read the answer (nri_accel.nri.stub.LINGER). The waits
 are bounded by --timeout seconds, so a runtime that accepts the connection but never
 answers is an error, never a hang. It changes nothing on the node:
 - it registers as PROBE_NAME, never as nri-accel: the runtime keeps a plugin per
@@ -62,15 +63,6 @@ answers in milliseconds; the runtime accepts plugins one at a time, each bounded
 own registration and request timeouts (5 s and 2 s by default), so a probe queued behind
 another plugin's registration still fits."""
 
-SETTLE = 0.25
-"""Seconds the probe stays connected after answering Synchronize. The runtime must read
-the answer before it sees the connection end: its NRI multiplexer (nri pkg/net/multiplex)
-hands a connection's frames and its close to the ttrpc client through two channels that
-one Go select reads, picking at random among the ready ones, so a probe that closed right
-after answering could make the runtime fail the Synchronize ("failed to synchronize
-plugin: ttrpc: closed") and log an error for a check that passed. Reading a queued frame
-takes the runtime microseconds; a quarter second covers a loaded node."""
-
 Finding = rc.Finding
 
 
@@ -111,7 +103,7 @@ class ProbeResult(Struct, frozen=True):
 
 async def probe(socket_path: str, identity: Identity, timeout: float) -> ProbeResult:
     """Register `identity` on `socket_path`, wait for Configure and the first Synchronize
-    (at most `timeout` seconds), disconnect SETTLE seconds after answering it. Never raises
+    (at most `timeout` seconds), then stop (LINGER seconds after answering). Never raises
     for the runtime's behaviour."""
     plugin = ProbePlugin()
     stub = Stub(plugin, identity, socket_path=socket_path)
@@ -121,8 +113,6 @@ async def probe(socket_path: str, identity: Identity, timeout: float) -> ProbeRe
     try:
         await asyncio.wait((synced, runner), timeout=timeout,
                            return_when=asyncio.FIRST_COMPLETED)
-        if synced.done() and not runner.done():
-            await asyncio.wait((runner,), timeout=SETTLE)
     finally:
         synced.cancel()
         stub.stop()

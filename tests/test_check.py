@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from nri_accel import runtime_config as rc
-from nri_accel.check import SETTLE, runtime_config_findings
+from nri_accel.check import runtime_config_findings
 from nri_accel.cli import main
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.nri import nri_pb2 as pb
@@ -33,7 +33,7 @@ from nri_accel.nri.simulator import (
     make_container,
     make_pod,
 )
-from nri_accel.nri.stub import Identity, RuntimeInfo, Stub, event_bit
+from nri_accel.nri.stub import LINGER, Identity, RuntimeInfo, Stub, event_bit
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "nri_accel" / "demo" / "inventory.json"
@@ -183,10 +183,10 @@ def test_a_registering_runtime_is_reported_and_left_as_it_was(runtime, short_dir
     assert f"ok: {name} timeouts: request 2 s, registration 5 s" in out
     # It subscribed to the one notification, then went away without being dropped, and
     # not at once: the runtime's reader must take the answer before it sees the close
-    # (check.SETTLE; half of it here, for the answer's own way to the simulator).
+    # (stub.LINGER; half of it here, for the answer's own way to the simulator).
     assert seen.ready == [("99-nri-accel-check", event_bit(pb.POST_UPDATE_CONTAINER))]
     assert dropped == 0
-    assert len(seen.stayed) == 1 and seen.stayed[0] >= SETTLE / 2, seen.stayed
+    assert len(seen.stayed) == 1 and seen.stayed[0] >= LINGER / 2, seen.stayed
 
 
 def test_a_short_request_timeout_is_a_warning(short_dir, capsys) -> None:

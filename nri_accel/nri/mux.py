@@ -25,7 +25,9 @@ stops while the socket's write buffer is over its high-water mark, that is while
 the runtime does not take our answers, and resumes below the low-water mark:
 whatever a runtime sends, the plugin holds bounded memory. The runtime's side keeps
 reading, as containerd's Go reader does (two sides that both stop would deadlock).
-Closing aborts the socket: nothing waits for a peer that does not read.
+Closing aborts the socket: nothing waits for a peer that does not read. `last_sent`
+(the monotonic time of the last write) lets an owner that is stopping first wait for
+the peer to take what was just written (nri_accel.nri.stub: LINGER).
 
 Reads land in one reused buffer (GatedReader): a plain asyncio.Protocol gets a fresh
 256 KiB bytes object per read, which glibc serves with mmap, page faults, mremap and
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from collections.abc import Callable, Hashable
 from typing import cast
 
@@ -58,6 +61,11 @@ UNKNOWN_CONNS_LOGGED = 8
 """Distinct unknown connection ids warned about per socket (a peer may send 2**32)."""
 
 _HEADER = struct.Struct(">II")
+_now = time.monotonic
+
+
+def _drop(data: bytes) -> None:
+    """The sink of a connection whose bytes nobody takes any more (drop_incoming)."""
 
 log = get_logger(__name__)
 
@@ -172,6 +180,8 @@ class MuxProtocol(GatedReader):
         self._transport: asyncio.Transport | None = None
         self._error: Exception | None = None
         self._dropped: set[int] = set()
+        self.last_sent = -float("inf")
+        """time.monotonic() of the last write on the socket (-inf: none yet)."""
         self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
 
     def attach(self, conn_id: int, sink: Sink, on_lost: LostHandler) -> None:
@@ -187,8 +197,14 @@ class MuxProtocol(GatedReader):
             if transport is None or transport.is_closing():
                 raise ConnectionResetError(f"NRI socket closed (connection {conn_id})")
             transport.write(encode(conn_id, data, self._frame_size))
+            self.last_sent = _now()
 
         return send
+
+    def drop_incoming(self) -> None:
+        """Read on but deliver nothing more: the socket's end is still seen (an owner that
+        is stopping waits for it), no new request reaches a consumer."""
+        self._sinks = dict.fromkeys(self._sinks, _drop)
 
     def hold_reading(self, reason: Hashable, held: bool) -> None:
         """Stop reading the socket while `reason` is held (a runtime stalling, in tests)."""

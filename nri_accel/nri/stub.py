@@ -94,6 +94,16 @@ DEFAULT_REGISTRATION_TIMEOUT = 5.0  # seconds, until Configure says otherwise
 DEFAULT_REQUEST_TIMEOUT = 2.0
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0  # a restarted runtime sees the plugin back within about a second
+LINGER = 0.25
+"""Seconds a stopping plugin keeps its socket open after its last write, reading
+nothing more, unless the runtime closes first: the runtime must read an answer before
+it sees the connection end. Its NRI multiplexer (nri pkg/net/multiplex) hands a
+connection's frames and its close to the ttrpc client through two channels that one
+Go select reads, picking at random among the ready ones, so a plugin that closed right
+after answering could have the runtime fail that call ("ttrpc: closed"): a container
+created as SIGTERM came would fail, a check's Synchronize would be logged as an error.
+Reading a queued frame takes the runtime microseconds; a quarter second covers a loaded
+node. A plugin that wrote nothing for that long closes at once."""
 
 Answer = bytes | Awaitable[bytes]
 """What a Plugin service method returns: its response payload, or an awaitable of it
@@ -292,11 +302,13 @@ class Stub:
                  registered=self.registered.is_set(), registrations=self.registrations)
 
     def stop(self, sig: int | None = None) -> None:
-        """Make run() return 0 at once, whatever the connection is doing.
+        """Make run() return 0 within LINGER seconds, whatever the connection is doing.
 
         The serving task is cancelled wherever it waits (connecting, a RegisterPlugin
-        answer, Configure, the next event, a backoff delay) and the socket is aborted,
-        not drained: a runtime that stopped reading cannot hold the plugin up."""
+        answer, Configure, the next event, a backoff delay); the socket then takes no new
+        request, stays open until LINGER seconds after the last write (at once if that
+        is past, or when the runtime closes), and is aborted, not drained: a runtime
+        that stopped reading cannot hold the plugin up longer."""
         if sig is not None:
             log.info("signal_received", signal=signal.Signals(sig).name)
         if self._stop_requested:
@@ -382,13 +394,16 @@ class Stub:
                      # older runtimes (containerd 1.7) do not send their NRI version
                      nri_version=self.runtime.nri_version or "not sent",
                      events=mask_events(self.events))
-            error = await mux.lost
+            # shielded: stop() cancels this task, and _linger() still waits on `lost`
+            error = await asyncio.shield(mux.lost)
             log.warning("runtime_disconnected", plugin=self.identity.full_name,
                         error=_describe(error) if error else None)
         finally:
             self.registered.clear()
             if self._configured.done() and not self._configured.cancelled():
                 self._configured.exception()  # retrieved: it was reported through the call
+            if self._stop_requested:
+                await _linger(mux)
             mux.close()
             # connection_lost comes on the next loop iteration and cancels running
             # handlers: wait for them, so that nothing of this session outlives it.
@@ -654,6 +669,16 @@ def _handled_mask(handlers: Mapping[str, Any]) -> int:
         for event in NOTIFICATIONS:
             mask |= event_bit(event)
     return mask
+
+
+async def _linger(mux: MuxProtocol) -> None:
+    """Before a stopping plugin closes `mux`: if it wrote within LINGER seconds, take no
+    new request and leave the runtime the rest of LINGER to read what was written, or
+    to close first."""
+    wait = mux.last_sent + LINGER - time.monotonic()
+    if wait > 0 and not mux.lost.done():
+        mux.drop_incoming()
+        await asyncio.wait((mux.lost,), timeout=wait)
 
 
 async def _invoke(fn: Callable[..., Any], *args: Any) -> Any:

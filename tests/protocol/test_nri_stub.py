@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from nri_accel.errors import PolicyError, RequestError
 from nri_accel.inventory import ContainerEdits, DeviceNode
 from nri_accel.nri import adjust
 from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri import stub as stub_module
 from nri_accel.nri.simulator import (
     LEGACY_EVENTS,
     PluginError,
@@ -24,6 +26,7 @@ from nri_accel.nri.simulator import (
 )
 from nri_accel.nri.stub import (
     BACKOFF_MAX,
+    LINGER,
     NOTIFICATIONS,
     SYNC_SLICE,
     VALID_EVENTS,
@@ -512,6 +515,51 @@ async def test_shutdown_reaches_the_plugin(sock_path: str) -> None:
         await sim.wait_for_plugin()
         await sim.shutdown()
     assert plugin.down
+
+
+class StoppedWhileAnswering(Injector):
+    """A plugin whose process is told to stop (SIGTERM) as it makes an answer: stop()
+    comes before the answer is written."""
+
+    stub: Stub | None = None
+
+    def create_container(self, pod: Any, container: Any) -> Any:
+        assert self.stub is not None
+        self.stub.stop()
+        return super().create_container(pod, container)
+
+
+async def test_a_stopping_plugin_leaves_the_runtime_time_to_read_its_last_answer(
+    sock_path: str,
+) -> None:
+    # containerd's multiplexer may act on the close before an answer it has already
+    # received (stub.LINGER): the plugin keeps the socket open LINGER after writing.
+    plugin = StoppedWhileAnswering()
+    async with Simulator(sock_path) as sim:
+        plugin.stub = Stub(plugin, Identity("injector", "30"), socket_path=sock_path)
+        task = asyncio.get_running_loop().create_task(plugin.stub.run())
+        conn = await sim.wait_for_plugin()
+        asked = time.monotonic()
+        rsp = await sim.create_container(POD, CTR)
+        assert [d.path for d in rsp.adjust.linux.devices] == ["/dev/accel0"]
+        await asyncio.wait_for(conn.mux.lost, 5)
+        stayed = time.monotonic() - asked
+        assert await asyncio.wait_for(task, 5) == 0
+    assert stayed >= 0.9 * LINGER, stayed  # the answer was written after `asked`
+
+
+async def test_a_stopping_plugin_closes_when_the_runtime_does_not_waiting_out_its_linger(
+    sock_path: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(stub_module, "LINGER", 30.0)
+    plugin = StoppedWhileAnswering()
+    async with Simulator(sock_path) as sim:
+        plugin.stub = Stub(plugin, Identity("injector", "30"), socket_path=sock_path)
+        task = asyncio.get_running_loop().create_task(plugin.stub.run())
+        await sim.wait_for_plugin()
+        assert (await sim.create_container(POD, CTR)).adjust.linux.devices
+        assert not task.done()  # lingering
+    assert await asyncio.wait_for(task, 5) == 0  # the runtime closed: no 30 s wait
 
 
 @pytest.mark.parametrize("env_bytes", [0, 100, 20_000, 3 << 20])  # 1-, 2-, 3-byte lengths
