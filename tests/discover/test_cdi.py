@@ -12,6 +12,7 @@ import yaml
 from fakes.roots import materialise
 from hosttree import HostTree
 
+from nri_accel.edits import MAX_EDITS
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Hook, Inventory, Mount
 from nri_accel.vendors.cdi.spec import (
     discover_cdi,
@@ -392,6 +393,38 @@ def test_a_device_mounting_host_state_is_left_out(tmp_path: Path) -> None:
         "'/host-proc' has type 'proc': only bind mounts and tmpfs are emitted",
         "device acme.example/npu=npu3 left out: devices[3].containerEdits.mounts[0]: tmpfs "
         "'/x' has option 'remount', which nri-accel does not pass",
+    ]
+
+
+def test_edits_past_the_limit_leave_the_device_out_or_refuse_the_file(tmp_path: Path) -> None:
+    # nri_accel.edits.MAX_EDITS: the answer for a device is built on the event loop.
+    tree = _tree(tmp_path)
+
+    def mounts(n: int) -> list[dict[str, str]]:
+        # Sources that do not exist: had they been resolved on the host, each would be
+        # its own refusal; past the limit, only the limit is reported.
+        return [{"hostPath": f"/opt/acme/missing/{i}", "containerPath": f"/opt/acme/{i}"}
+                for i in range(n)]
+
+    _write(tree, "/etc/cdi/npu.yaml", _spec(devices=[
+        {"name": "npu0", "containerEdits": {"deviceNodes": [{"path": "/dev/npu0"}],
+                                            "mounts": mounts(MAX_EDITS)}},
+        {"name": "npu1", "containerEdits": {"deviceNodes": [{"path": "/dev/npu1"}],
+                                            "mounts": mounts(MAX_EDITS - 1)}},
+    ]))
+    _write(tree, "/etc/cdi/ctl.yaml", _spec(kind="acme.example/ctl", containerEdits={
+        "env": [f"V{i}=1" for i in range(MAX_EDITS + 1)]}))
+    found = discover_cdi(tree.root, DIRS)
+    assert [d.qualified_name for d in found.devices] == ["acme.example/npu=npu1"]
+    assert len(found.devices[0].edits.mounts) == MAX_EDITS - 1
+    assert [(p.source, p.message) for p in found.problems] == [
+        ("/etc/cdi/ctl.yaml", f"containerEdits: {MAX_EDITS + 1} device nodes, mounts, env "
+                              f"entries and hooks, over the {MAX_EDITS} nri-accel takes from "
+                              "one device or capability"),
+        ("/etc/cdi/npu.yaml", f"device acme.example/npu=npu0 left out: "
+                              f"devices[0].containerEdits: {MAX_EDITS + 1} device nodes, "
+                              f"mounts, env entries and hooks, over the {MAX_EDITS} nri-accel "
+                              "takes from one device or capability"),
     ]
 
 

@@ -12,6 +12,7 @@ from security_testing import DEVICE_PLUGIN_KEY, TRUSTED_NS, container, demo_inve
 
 from nri_accel.edits import (
     FORBIDDEN_SOURCES,
+    MAX_EDITS,
     RUNTIME_SOCKETS,
     UnsafeEdit,
     check_edits,
@@ -207,6 +208,22 @@ def test_a_hand_written_node_under_sys_is_refused_for_the_container() -> None:
     with pytest.raises(AllocationError, match="'/sys/devices/virtual/acme/npu0' is not under"):
         engine("standalone", inv).plan(container(pod={"devices.nri-accel.io":
                                                       "acme.example/npu=npu0"}))
+
+
+def test_a_device_adding_more_than_max_edits_is_refused_for_the_container() -> None:
+    # A hand-written inventory (CDI specs are held to it as they load: tests/discover).
+    def npu(name: str, mounts: int) -> Device:
+        return Device(kind="acme.example/npu", name=name, edits=ContainerEdits(
+            device_nodes=(DeviceNode(f"/dev/{name}", 240, 0),),
+            mounts=tuple(Mount(f"/opt/acme/{i}", f"/opt/acme/{i}") for i in range(mounts))))
+
+    eng = engine("standalone", Inventory(devices=(npu("npu0", MAX_EDITS),
+                                                  npu("npu1", MAX_EDITS - 1))))
+    with pytest.raises(AllocationError, match=f"{MAX_EDITS + 1} device nodes, mounts, env "
+                                              f"entries and hooks, over the {MAX_EDITS}"):
+        eng.plan(container(pod={"devices.nri-accel.io": "acme.example/npu=npu0"}))
+    plan = eng.plan(container(pod={"devices.nri-accel.io": "acme.example/npu=npu1"}))
+    assert len(plan.edits.mounts) == MAX_EDITS - 1
 
 
 @pytest.mark.parametrize("node", [

@@ -87,6 +87,7 @@ from nri_accel.edits import (
     TMPFS_REQUIRED_OPTIONS,
     UnsafeEdit,
     check_access,
+    check_edit_count,
     check_env,
     check_mount,
     check_mount_source,
@@ -409,6 +410,10 @@ def _check_env(values: tuple[str, ...], loc: str) -> None:
             raise SpecError(f"{loc}: {kv!r} is not KEY=VALUE")
 
 
+_EDIT_LISTS = ("env", "deviceNodes", "mounts", "hooks")
+"""The lists of a containerEdits whose entries nri_accel.edits.MAX_EDITS counts."""
+
+
 class _RawNode(Struct, frozen=True):
     path: str
     host_path: str
@@ -475,6 +480,10 @@ def _edits(root: HostRoot, v: Any, where: str, *, device_level: bool) -> _RawEdi
     # nri_accel.edits (the rules the catalog applies again), called here so that `discover`
     # names the file and field.
     safety = _Refusals()
+    # First: past the limit, the checks below are skipped (the first refusal is kept),
+    # the resolution of each mount source on the host among them.
+    safety.check(where, check_edit_count, sum(
+        len(items) for key in _EDIT_LISTS if isinstance(items := v.get(key), list)))
     for i, kv in enumerate(env):
         safety.check(f"{where}.env[{i}]", check_env, kv)
 
