@@ -25,9 +25,9 @@ stops while the socket's write buffer is over its high-water mark, that is while
 the runtime does not take our answers, and resumes below the low-water mark:
 whatever a runtime sends, the plugin holds bounded memory. The runtime's side keeps
 reading, as containerd's Go reader does (two sides that both stop would deadlock).
-Closing aborts the socket: nothing waits for a peer that does not read. `last_sent`
-(the monotonic time of the last write) lets an owner that is stopping first wait for
-the peer to take what was just written (nri_accel.nri.stub: LINGER).
+Closing aborts the socket: nothing waits for a peer that does not read. `sent_at`
+(the monotonic time of each connection's last write) lets an owner that is stopping
+first wait for the peer to take the answers it just wrote (nri_accel.nri.stub: LINGER).
 
 Reads land in one reused buffer (GatedReader): a plain asyncio.Protocol gets a fresh
 256 KiB bytes object per read, which glibc serves with mmap, page faults, mremap and
@@ -180,8 +180,8 @@ class MuxProtocol(GatedReader):
         self._transport: asyncio.Transport | None = None
         self._error: Exception | None = None
         self._dropped: set[int] = set()
-        self.last_sent = -float("inf")
-        """time.monotonic() of the last write on the socket (-inf: none yet)."""
+        self.sent_at: dict[int, float] = {}
+        """Connection id -> time.monotonic() of its last write."""
         self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
 
     def attach(self, conn_id: int, sink: Sink, on_lost: LostHandler) -> None:
@@ -191,13 +191,14 @@ class MuxProtocol(GatedReader):
 
     def sender(self, conn_id: int) -> Sink:
         """A function writing bytes on logical connection `conn_id` (framed for the peer)."""
+        sent_at = self.sent_at
 
         def send(data: bytes) -> None:
             transport = self._transport
             if transport is None or transport.is_closing():
                 raise ConnectionResetError(f"NRI socket closed (connection {conn_id})")
             transport.write(encode(conn_id, data, self._frame_size))
-            self.last_sent = _now()
+            sent_at[conn_id] = _now()
 
         return send
 

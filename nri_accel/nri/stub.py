@@ -95,15 +95,15 @@ DEFAULT_REQUEST_TIMEOUT = 2.0
 BACKOFF_MIN = 0.05
 BACKOFF_MAX = 1.0  # a restarted runtime sees the plugin back within about a second
 LINGER = 0.25
-"""Seconds a stopping plugin keeps its socket open after its last write, reading
-nothing more, unless the runtime closes first: the runtime must read an answer before
+"""Seconds a stopping plugin keeps its socket open after its last answer, taking no
+new request, unless the runtime closes first: the runtime must read an answer before
 it sees the connection end. Its NRI multiplexer (nri pkg/net/multiplex) hands a
 connection's frames and its close to the ttrpc client through two channels that one
 Go select reads, picking at random among the ready ones, so a plugin that closed right
 after answering could have the runtime fail that call ("ttrpc: closed"): a container
 created as SIGTERM came would fail, a check's Synchronize would be logged as an error.
 Reading a queued frame takes the runtime microseconds; a quarter second covers a loaded
-node. A plugin that wrote nothing for that long closes at once."""
+node. A plugin that answered nothing for that long closes at once."""
 
 Answer = bytes | Awaitable[bytes]
 """What a Plugin service method returns: its response payload, or an awaitable of it
@@ -306,7 +306,7 @@ class Stub:
 
         The serving task is cancelled wherever it waits (connecting, a RegisterPlugin
         answer, Configure, the next event, a backoff delay); the socket then takes no new
-        request, stays open until LINGER seconds after the last write (at once if that
+        request, stays open until LINGER seconds after the last answer (at once if that
         is past, or when the runtime closes), and is aborted, not drained: a runtime
         that stopped reading cannot hold the plugin up longer."""
         if sig is not None:
@@ -672,10 +672,12 @@ def _handled_mask(handlers: Mapping[str, Any]) -> int:
 
 
 async def _linger(mux: MuxProtocol) -> None:
-    """Before a stopping plugin closes `mux`: if it wrote within LINGER seconds, take no
-    new request and leave the runtime the rest of LINGER to read what was written, or
-    to close first."""
-    wait = mux.last_sent + LINGER - time.monotonic()
+    """Before a stopping plugin closes `mux`: if it answered a call within LINGER
+    seconds, take no new request and leave the runtime the rest of LINGER to read the
+    answer, or to close first. (A request of its own, RegisterPlugin, fails all the same
+    when it closes: nothing to wait for.)"""
+    answered = mux.sent_at.get(PLUGIN_SERVICE_CONN)
+    wait = 0.0 if answered is None else answered + LINGER - time.monotonic()
     if wait > 0 and not mux.lost.done():
         mux.drop_incoming()
         await asyncio.wait((mux.lost,), timeout=wait)

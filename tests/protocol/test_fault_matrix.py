@@ -40,6 +40,7 @@ from runtime_states import (
 
 from nri_accel.nri import mux
 from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri import stub as stub_module
 from nri_accel.nri.simulator import PluginConn, Simulator, make_container, make_pod
 from nri_accel.nri.stub import Identity, Stub
 from nri_accel.ttrpc import (
@@ -328,6 +329,31 @@ async def test_stop_ends_an_in_process_stub_in_every_state_leaving_no_task_or_fd
             assert await asyncio.wait_for(task, 5) == 0
     assert asyncio.all_tasks() == before_tasks
     assert fd_count(os.getpid()) == before_fds
+
+
+ANSWERED_NOTHING = [s for s in STATES if s not in (
+    "mid split Synchronize", "registered and idle",
+    "write buffer full: the runtime stopped reading")]
+
+
+@pytest.mark.parametrize("state", ANSWERED_NOTHING)
+async def test_a_stub_that_answered_nothing_yet_stops_without_lingering(
+    sock_path: str, state: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # stub.LINGER keeps a stopping plugin's socket open for the runtime to read its last
+    # answer; its own RegisterPlugin is no answer: nothing to wait for.
+    monkeypatch.setattr(stub_module, "LINGER", 60.0)
+    stub = Stub(Bystander(), Identity("injector", "30"), socket_path=sock_path)
+
+    def start() -> asyncio.Task[int]:
+        return asyncio.get_running_loop().create_task(stub.run())
+
+    with structlog.testing.capture_logs() as logs:
+        async with in_state(state, sock_path, start,
+                            lambda: any(e["event"] == "runtime_unavailable" for e in logs)
+                            ) as task:
+            stub.stop()
+            assert await asyncio.wait_for(task, 5) == 0
 
 
 
