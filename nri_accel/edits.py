@@ -258,8 +258,7 @@ def _check(edits: ContainerEdits, hooks_enabled: bool) -> Checked:
 def check_edits(edits: ContainerEdits, *, hooks_enabled: bool = False) -> ContainerEdits:
     """`edits` normalised (mount options forced), or UnsafeEdit saying what is wrong.
     Hooks are dropped unless `hooks_enabled`."""
-    check_edit_count(len(edits.env) + len(edits.device_nodes) + len(edits.mounts)
-                     + len(edits.hooks))
+    check_edit_count(_size(edits))
     for kv in edits.env:
         check_env(kv)
     for n in edits.device_nodes:
@@ -269,6 +268,12 @@ def check_edits(edits: ContainerEdits, *, hooks_enabled: bool = False) -> Contai
     if hooks_enabled:
         hooks = tuple(_check_hook(h) for h in edits.hooks)
     return replace(edits, mounts=mounts, hooks=hooks)
+
+
+def _size(edits: ContainerEdits) -> int:
+    """The edits MAX_EDITS and MAX_CONTAINER_EDITS count: device nodes, mounts, env
+    entries and hooks."""
+    return len(edits.env) + len(edits.device_nodes) + len(edits.mounts) + len(edits.hooks)
 
 
 def check_edit_count(count: int) -> None:
@@ -567,8 +572,7 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
                 env[var] = nothing
 
     merged = merge_edits(parts)
-    count = (len(merged.env) + len(merged.device_nodes) + len(merged.mounts)
-             + len(merged.hooks))
+    count = _size(merged)
     if count > MAX_CONTAINER_EDITS:
         shown = ", ".join(d.qualified_name for d in selection.devices[:4])
         more = f" and {len(selection.devices) - 4} more" if len(selection.devices) > 4 else ""

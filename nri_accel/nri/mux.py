@@ -63,11 +63,11 @@ UNKNOWN_CONNS_LOGGED = 8
 _HEADER = struct.Struct(">II")
 _now = time.monotonic
 
+log = get_logger(__name__)
+
 
 def _drop(data: bytes) -> None:
     """The sink of a connection whose bytes nobody takes any more (drop_incoming)."""
-
-log = get_logger(__name__)
 
 
 class MuxError(Exception):
