@@ -14,7 +14,7 @@ fails at start with a readable reason.
 The probe registers a second, short-lived plugin on the NRI socket, waits for the
 runtime's Configure (its name, version, NRI version and timeouts) and first Synchronize
 (what it lists), and stops: its stub closes the connection a quarter second after
-answering, once the runtime has read the answer (nri_accel.nri.stub.LINGER). The waits
+answering, so that the runtime has read the answer (nri_accel.nri.stub.LINGER). The waits
 are bounded by --timeout seconds, so a runtime that accepts the connection but never
 answers is an error, never a hang. It changes nothing on the node:
 - it registers as PROBE_NAME, never as nri-accel: the runtime keeps a plugin per
