@@ -402,9 +402,11 @@ class Stub:
             self.registered.clear()
             if self._configured.done() and not self._configured.cancelled():
                 self._configured.exception()  # retrieved: it was reported through the call
-            if self._stop_requested:
-                await _linger(mux)
-            mux.close()
+            try:
+                if self._stop_requested:
+                    await _linger(mux)
+            finally:  # a second cancellation ends the linger, never the close
+                mux.close()
             # connection_lost comes on the next loop iteration and cancels running
             # handlers: wait for them, so that nothing of this session outlives it.
             await plugin_ep.closed()

@@ -562,6 +562,22 @@ async def test_a_stopping_plugin_closes_when_the_runtime_does_not_waiting_out_it
     assert await asyncio.wait_for(task, 5) == 0  # the runtime closed: no 30 s wait
 
 
+async def test_a_stub_cancelled_while_it_lingers_still_closes_its_socket(
+    sock_path: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(stub_module, "LINGER", 60.0)
+    plugin = StoppedWhileAnswering()
+    async with Simulator(sock_path) as sim:
+        plugin.stub = Stub(plugin, Identity("injector", "30"), socket_path=sock_path)
+        task = asyncio.get_running_loop().create_task(plugin.stub.run())
+        conn = await sim.wait_for_plugin()
+        assert (await sim.create_container(POD, CTR)).adjust.linux.devices
+        task.cancel()  # a caller that will not wait (the probe's own deadline)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(conn.mux.lost, 5)
+
+
 @pytest.mark.parametrize("env_bytes", [0, 100, 20_000, 3 << 20])  # 1-, 2-, 3-byte lengths
 @pytest.mark.parametrize("with_updates", [False, True])
 def test_an_encoded_adjustment_is_answered_as_the_message_would_be(
