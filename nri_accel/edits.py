@@ -58,12 +58,11 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from operator import methodcaller
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from msgspec import Struct
+from msgspec import Struct, field
 from msgspec.structs import replace
 
 from nri_accel.errors import AllocationError, RequestError
@@ -211,21 +210,19 @@ class UnsafeEdit(ValueError):
     """An inventory edit breaks a safety rule (message says which path and why)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Catalog:
-    """Every edit the inventory can contribute, checked once (per inventory and config)."""
+class Catalog(Struct, frozen=True, eq=False):
+    """Every edit the inventory can contribute, checked once (per inventory and config).
+    Compared by identity: its memos change as it serves."""
 
     devices: Mapping[str, Checked]  # qualified name -> its device edits
     files: DriverFiles  # (vendor, capability) -> driver edits; the families' tables
     hook_path: str  # the ld.so.cache hook binary; "" when no hook may be emitted
     # build()'s memo of the grant-dependent part of the edits, per grant.
-    memo: dict[tuple[Any, ...], _Common] = field(default_factory=dict, compare=False,
-                                                  repr=False)
+    memo: dict[tuple[Any, ...], _Common] = field(default_factory=dict)
     # build()'s edits per grant and env added, of containers whose own devices and
     # mounts replace none of the grant's: one object for all such containers, so that
     # its hash (the adjustment memo's key, nri_accel.nri.adjust) is taken once.
-    edits: dict[tuple[Any, ...], ContainerEdits] = field(default_factory=dict,
-                                                         compare=False, repr=False)
+    edits: dict[tuple[Any, ...], ContainerEdits] = field(default_factory=dict)
 
 
 _UNCHECKED = Checked(refused="the device is not in the catalog of this inventory")

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
 
@@ -85,13 +84,12 @@ class Plan(Struct, frozen=True):
         return tuple(d.qualified_name for d in self.devices)
 
 
-@dataclass(frozen=True, slots=True)
-class _Tables:
+class _Tables(Struct, frozen=True, eq=False):
     """Everything plan() reads that depends only on the inventory and the config."""
 
     index: DeviceIndex
     catalog: Catalog
-    inventory: Inventory = field(repr=False)
+    inventory: Inventory
 
 
 class Engine:

@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from types import MappingProxyType
 from typing import Any
 
@@ -404,7 +404,7 @@ def _encode(obj: Any) -> Any:
             v = getattr(obj, name)
             empty = (v is None or v == "" or v == () or (isinstance(v, Mapping) and not v)
                      or (isinstance(v, ContainerEdits) and not v))
-            if empty and _EMPTY_DEFAULT.get((type(obj), name), False):
+            if empty and _empty_default(type(obj), name):
                 continue
             out[name] = _encode(v)
         return out
@@ -478,12 +478,12 @@ _FIELD_TYPES: dict[type, dict[str, Any]] = {
 }
 
 
-def _empty_default(f: structs.FieldInfo) -> bool:
+@cache
+def _empty_default(cls: type, name: str) -> bool:
+    """Whether field `name` of `cls` has an empty default (None, "", (), {}, no edits):
+    to_json leaves such a field out when empty. An empty value of any other field
+    (Mount.options, DeviceNode.permissions, a required field) is written, so that it
+    loads back as it was, not as the default. Asked on first use: structs.fields()
+    evaluates the annotations, about 1 ms for these classes that `run` never writes."""
+    f = next(f for f in structs.fields(cls) if f.name == name)
     return f.default is not NODEFAULT and not f.default
-
-
-# Fields whose default is empty (None, "", (), {}, no edits): to_json leaves them out when
-# empty. An empty value of any other field (Mount.options, DeviceNode.permissions, a
-# required field) is written, so that it loads back as it was, not as the default.
-_EMPTY_DEFAULT = {(cls, f.name): _empty_default(f)
-                  for cls in _FIELD_TYPES for f in structs.fields(cls)}
