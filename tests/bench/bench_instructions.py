@@ -12,6 +12,9 @@ costs in that process: its own work (decoding, the plugin's, encoding), without 
 kernel's part of the socket I/O or anything the machine's load does to timings, so
 the figure is the same on a busy machine and a quiet one (round-trip times, which
 bench_roundtrip.py prints, are not).
+The run answering none is printed too: each process's start-up (imports, registration),
+20 warm-up requests and its exit, in instructions (bench_roundtrip.py's start-up time
+moves with the load).
 
 Then, in process, the daemon's CreateContainer handler from the request's bytes to the
 answer's (the stub's decoding, the plugin, the canonical log line), for the captured
@@ -162,6 +165,10 @@ def main() -> int:
           f"(callgrind, {args.requests} requests):")
     for name in PLUGINS:
         print(f"  {name:10} {per[name] / 1000:7.1f} k   {per[name] / per['floor']:.2f}x the floor")
+    print("\neach process from exec to exit, answering only the warm-up (start-up, "
+          "registration, 20 requests, SIGTERM):")
+    for name in PLUGINS:
+        print(f"  {name:10} {idle[name] / 1e6:7.1f} M")
     with tempfile.TemporaryDirectory(prefix="nri-bench-callgrind-") as out:
 
         def show(script: str, case: str, what: str) -> None:
