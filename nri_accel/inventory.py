@@ -404,7 +404,7 @@ def _encode(obj: Any) -> Any:
             v = getattr(obj, name)
             empty = (v is None or v == "" or v == () or (isinstance(v, Mapping) and not v)
                      or (isinstance(v, ContainerEdits) and not v))
-            if empty and _empty_default(type(obj), name):
+            if empty and name in _empty_defaults(type(obj)):
                 continue
             out[name] = _encode(v)
         return out
@@ -479,11 +479,11 @@ _FIELD_TYPES: dict[type, dict[str, Any]] = {
 
 
 @cache
-def _empty_default(cls: type, name: str) -> bool:
-    """Whether field `name` of `cls` has an empty default (None, "", (), {}, no edits):
-    to_json leaves such a field out when empty. An empty value of any other field
+def _empty_defaults(cls: type) -> frozenset[str]:
+    """The fields of `cls` whose default is empty (None, "", (), {}, no edits): to_json
+    leaves such a field out when empty. An empty value of any other field
     (Mount.options, DeviceNode.permissions, a required field) is written, so that it
     loads back as it was, not as the default. Asked on first use: structs.fields()
     evaluates the annotations, about 1 ms for these classes that `run` never writes."""
-    f = next(f for f in structs.fields(cls) if f.name == name)
-    return f.default is not NODEFAULT and not f.default
+    return frozenset(f.name for f in structs.fields(cls)
+                     if f.default is not NODEFAULT and not f.default)

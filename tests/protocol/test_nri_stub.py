@@ -523,6 +523,11 @@ class StoppedWhileAnswering(Injector):
 
     stub: Stub | None = None
 
+    def serve(self, sock_path: str) -> asyncio.Task[int]:
+        """Its stub, running against the runtime at `sock_path`."""
+        self.stub = Stub(self, Identity("injector", "30"), socket_path=sock_path)
+        return asyncio.get_running_loop().create_task(self.stub.run())
+
     def create_container(self, pod: Any, container: Any) -> Any:
         assert self.stub is not None
         self.stub.stop()
@@ -536,8 +541,7 @@ async def test_a_stopping_plugin_leaves_the_runtime_time_to_read_its_last_answer
     # received (stub.LINGER): the plugin keeps the socket open LINGER after writing.
     plugin = StoppedWhileAnswering()
     async with Simulator(sock_path) as sim:
-        plugin.stub = Stub(plugin, Identity("injector", "30"), socket_path=sock_path)
-        task = asyncio.get_running_loop().create_task(plugin.stub.run())
+        task = plugin.serve(sock_path)
         conn = await sim.wait_for_plugin()
         asked = time.monotonic()
         rsp = await sim.create_container(POD, CTR)
@@ -554,8 +558,7 @@ async def test_a_stopping_plugin_closes_when_the_runtime_does_not_waiting_out_it
     monkeypatch.setattr(stub_module, "LINGER", 30.0)
     plugin = StoppedWhileAnswering()
     async with Simulator(sock_path) as sim:
-        plugin.stub = Stub(plugin, Identity("injector", "30"), socket_path=sock_path)
-        task = asyncio.get_running_loop().create_task(plugin.stub.run())
+        task = plugin.serve(sock_path)
         await sim.wait_for_plugin()
         assert (await sim.create_container(POD, CTR)).adjust.linux.devices
         assert not task.done()  # lingering
@@ -568,8 +571,7 @@ async def test_a_stub_cancelled_while_it_lingers_still_closes_its_socket(
     monkeypatch.setattr(stub_module, "LINGER", 60.0)
     plugin = StoppedWhileAnswering()
     async with Simulator(sock_path) as sim:
-        plugin.stub = Stub(plugin, Identity("injector", "30"), socket_path=sock_path)
-        task = asyncio.get_running_loop().create_task(plugin.stub.run())
+        task = plugin.serve(sock_path)
         conn = await sim.wait_for_plugin()
         assert (await sim.create_container(POD, CTR)).adjust.linux.devices
         task.cancel()  # a caller that will not wait (the probe's own deadline)
