@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+
+from msgspec import Struct
 
 from .errors import Code, TtrpcError
 
@@ -33,10 +34,9 @@ MAX_STREAM_ID = 0xFFFFFFFF
 """Largest stream id the 32-bit header field holds."""
 
 
-# Frames, events and call contexts are slots dataclasses, not frozen ones: treat them
-# as values all the same. A frozen dataclass sets each field through
-# object.__setattr__ and costs four times as much to build, and three of these are
-# built per request.
+# Frames, events and call contexts are frozen msgspec Structs: values, built in C (two
+# thirds of a slots dataclass's instructions; three are built per request) and defined
+# without the code generation a dataclass does at import.
 
 
 class FrameType(enum.IntEnum):
@@ -53,8 +53,7 @@ class Flags(enum.IntFlag):
     NO_DATA = 4
 
 
-@dataclass(slots=True)
-class Frame:
+class Frame(Struct, frozen=True):
     """One complete frame. `type` and `flags` are the raw bytes (unknown types exist)."""
 
     stream_id: int
@@ -63,8 +62,7 @@ class Frame:
     payload: bytes
 
 
-@dataclass(slots=True)
-class OversizeFrame:
+class OversizeFrame(Struct, frozen=True):
     """A frame whose payload (`length` bytes) exceeds the limit; its payload is skipped."""
 
     stream_id: int

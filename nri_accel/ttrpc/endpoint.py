@@ -34,8 +34,9 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from msgspec import Struct
 
 from .codec import Bytes, FrameType
 from .errors import Code, TtrpcError
@@ -51,9 +52,7 @@ DEFAULT_MAX_IN_FLIGHT = 128
 """Handler tasks one endpoint runs at once; a request beyond is refused (module doc)."""
 
 
-# slots, not frozen: cheaper to build per request (see codec.py)
-@dataclass(slots=True)
-class CallContext:
+class CallContext(Struct, frozen=True):
     """What a handler knows about its call.
 
     `metadata` holds the request's (key, value) pairs in wire order (a key may

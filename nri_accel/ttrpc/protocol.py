@@ -20,10 +20,10 @@ refused with UNIMPLEMENTED.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import DecodeError
+from msgspec import Struct
 
 from . import ttrpc_pb2
 from .codec import (
@@ -48,9 +48,7 @@ _DATA = int(FrameType.DATA)
 _REMOTE_OPEN = int(Flags.REMOTE_OPEN)
 
 
-# slots, not frozen: cheaper to build per request (see codec.py)
-@dataclass(slots=True)
-class RequestReceived:
+class RequestReceived(Struct, frozen=True):
     """A unary request from the peer. `timeout_nano` 0 means no deadline."""
 
     stream_id: int
@@ -61,8 +59,7 @@ class RequestReceived:
     metadata: Metadata
 
 
-@dataclass(slots=True)
-class ResponseReceived:
+class ResponseReceived(Struct, frozen=True):
     """The peer's answer on `stream_id`; `code` is OK or the error status."""
 
     stream_id: int
@@ -72,8 +69,7 @@ class ResponseReceived:
     details: tuple[Any, ...]
 
 
-@dataclass(slots=True)
-class StreamError:
+class StreamError(Struct, frozen=True):
     """The peer's frame on `stream_id` (of `frame_type`) was refused with code/message."""
 
     stream_id: int
@@ -82,8 +78,7 @@ class StreamError:
     message: str
 
 
-@dataclass(slots=True)
-class FrameIgnored:
+class FrameIgnored(Struct, frozen=True):
     """A frame with nothing to answer (stream data, unknown type); `reason` says why."""
 
     stream_id: int
