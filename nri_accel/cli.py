@@ -4,6 +4,7 @@ Owns: the verbs, their flags and help texts (a stable interface: see DESIGN.md).
 Imports argparse, the demo's node names (nri_accel.demo imports only the standard
 library at module level) and, lazily, the module that implements each verb, so that
 `nri-accel run` starts fast and `--help` works even where a vendor library is missing.
+The process enters through nri_accel.__main__ (the `nri-accel` command).
 
 Run with no arguments by the container runtime (NRI_PLUGIN_SOCKET set: a
 pre-registered plugin), it behaves as `run`.
@@ -18,7 +19,7 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from nri_accel import __version__
 from nri_accel.config import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET, DEFAULT_STATE_DIR
@@ -180,18 +181,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *,
+         imported: Callable[[], None] | None = None) -> int:
+    """Run the verb `argv` names (default: sys.argv's); `imported` is called once the
+    verb's module is imported, or the command line refused (see nri_accel.__main__)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv and os.environ.get("NRI_PLUGIN_SOCKET"):
         # Launched by the runtime from its plugin directory (/opt/nri/plugins/NN-name,
         # a link to this program): no arguments, the connection inherited as a fd.
         argv = ["run"]
-    args = build_parser().parse_args(argv)
-    if args.target is None:
-        print(f"nri-accel {__version__}")
-        return 0
-    module, _, func = args.target.partition(":")
-    handler = getattr(importlib.import_module(module), func)
+    try:
+        args = build_parser().parse_args(argv)
+        if args.target is None:
+            print(f"nri-accel {__version__}")
+            return 0
+        module, _, func = args.target.partition(":")
+        handler = getattr(importlib.import_module(module), func)
+    finally:
+        if imported is not None:
+            imported()
     from nri_accel.errors import ConfigError, NriAccelError
 
     try:
@@ -205,6 +213,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -47,7 +47,7 @@ def test_inventory_and_root_are_exclusive(capsys) -> None:
 
 
 def test_version() -> None:
-    out = subprocess.run([sys.executable, "-m", "nri_accel.cli", "version"],
+    out = subprocess.run([sys.executable, "-m", "nri_accel", "version"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == f"nri-accel {__version__}"
 
@@ -96,11 +96,32 @@ def test_run_imports_none_of_what_it_does_not_use() -> None:
     # grpc (the device plugin), PyYAML (an injector CDI annotation: imported when one
     # comes), prometheus_client (--metrics-address), pynvml (discovery) and protobuf's
     # JSON rendering (explain) load only where used. The discoverers (nri_accel.discover)
-    # are still imported by the vendor profiles.
+    # are still imported by the vendor profiles. Through the process's entry, asyncio
+    # comes without ssl (nri_accel.__main__): no TLS is spoken.
     unused = ("grpc", "yaml", "prometheus_client", "pynvml", "nri_accel.deviceplugin",
-              "google.protobuf.json_format", "tempfile")
-    code = ("import sys, nri_accel.cli, nri_accel.plugin; "
+              "google.protobuf.json_format", "tempfile", "ssl")
+    code = ("import sys, nri_accel.__main__, nri_accel.plugin; "
             f"print(','.join(m for m in {unused!r} if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                             text=True)
     assert result.stdout.strip() == ""
+
+
+def test_the_entry_turns_the_collector_on_again_and_leaves_ssl_importable() -> None:
+    # nri_accel.__main__ holds the collector off while the modules load, then freezes
+    # what they built; asyncio came without ssl, which any later import still gets.
+    code = """
+import gc, sys
+from nri_accel.__main__ import main
+import asyncio.base_events
+loading = gc.isenabled()
+sys.argv = ["nri-accel", "version"]
+main()
+import ssl
+print(loading, gc.isenabled(), gc.get_freeze_count() > 10_000,
+      asyncio.base_events.ssl is None, bool(ssl.OPENSSL_VERSION))
+"""
+    result = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                            text=True)
+    assert result.stdout.split() == ["nri-accel", __version__,
+                                     "False", "True", "True", "True", "True"]

@@ -19,7 +19,7 @@ from nri_accel.inventory import Device, Inventory
 
 @pytest.mark.slow
 def test_demo_runs_the_daemon_and_prints_what_each_container_gets() -> None:
-    proc = subprocess.run([sys.executable, "-m", "nri_accel.cli", "demo"],
+    proc = subprocess.run([sys.executable, "-m", "nri_accel", "demo"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -44,7 +44,7 @@ def test_demo_runs_the_daemon_and_prints_what_each_container_gets() -> None:
 
 @pytest.mark.slow
 def test_demo_json_is_one_document_with_every_container_and_the_log() -> None:
-    proc = subprocess.run([sys.executable, "-m", "nri_accel.cli", "demo", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "nri_accel", "demo", "--json"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # the whole of stdout, nothing before or after
@@ -119,7 +119,7 @@ def _nodes(devices: list[Device]) -> list[str]:
 
 @pytest.mark.slow
 def test_demo_mixed_node_prints_gaudi_and_amd_containers() -> None:
-    proc = subprocess.run([sys.executable, "-m", "nri_accel.cli", "demo", "--node", "mixed"],
+    proc = subprocess.run([sys.executable, "-m", "nri_accel", "demo", "--node", "mixed"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -174,7 +174,7 @@ def test_demo_mixed_node_prints_gaudi_and_amd_containers() -> None:
 
 @pytest.mark.slow
 def test_demo_mixed_node_json_env_matches_the_granted_devices() -> None:
-    proc = subprocess.run([sys.executable, "-m", "nri_accel.cli", "demo", "--node", "mixed",
+    proc = subprocess.run([sys.executable, "-m", "nri_accel", "demo", "--node", "mixed",
                            "--json"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)

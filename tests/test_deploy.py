@@ -384,7 +384,7 @@ def _explain(tmp_path: Path, node: str, config: Path, pod: Path,
     else:
         source = ["--inventory", str(MIXED_INVENTORY if node == "mixed" else DEMO_INVENTORY)]
     return subprocess.run(
-        [sys.executable, "-m", "nri_accel.cli", "explain", *source, "--config", str(config),
+        [sys.executable, "-m", "nri_accel", "explain", *source, "--config", str(config),
          "--pod", str(pod), *extra],
         capture_output=True, text=True, timeout=120, check=False)
 

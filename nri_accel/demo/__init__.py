@@ -88,7 +88,7 @@ async def _demo(tmp: Path, name: str, *, as_json: bool) -> int:
     async with Simulator(socket_path, runtime_name="nri-accel-demo") as sim:
         # The daemon's stdout goes to stderr: stdout is the demo's (one JSON document).
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "nri_accel.cli", "run", "--socket", socket_path,
+            [sys.executable, "-m", "nri_accel", "run", "--socket", socket_path,
              "--inventory", str(demo_node.inventory), "--config", str(CONFIG),
              "--log-file", str(log_path), "--state-dir", str(tmp / "state")],
             stdin=subprocess.DEVNULL, stdout=2,

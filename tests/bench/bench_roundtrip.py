@@ -180,7 +180,7 @@ def vm_hwm_kib(pid: int) -> int:
 
 def daemon_command(sock: str, config: Path, log_file: str) -> list[str]:
     """`nri-accel run` against the demo inventory; its state in a directory beside its log."""
-    return [sys.executable, "-m", "nri_accel.cli", "run", "--socket", sock,
+    return [sys.executable, "-m", "nri_accel", "run", "--socket", sock,
             "--inventory", str(DEMO_INVENTORY), "--config", str(config), "--log-file", log_file,
             "--state-dir", str(Path(log_file).parent / "state")]
 

@@ -31,7 +31,7 @@ class _DevicePlugin:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nri_accel.cli", "device-plugin", *args],
+            [sys.executable, "-m", "nri_accel", "device-plugin", *args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )

@@ -64,7 +64,7 @@ def write_daemon_files(directory: Path) -> dict[str, str]:
 
 
 def run_args(files: dict[str, str], *extra: str) -> list[str]:
-    return [sys.executable, "-m", "nri_accel.cli", "run", "--inventory", files["inventory"],
+    return [sys.executable, "-m", "nri_accel", "run", "--inventory", files["inventory"],
             "--config", files["config"], "--log-file", files["log"],
             "--state-dir", files["state"], *extra]
 

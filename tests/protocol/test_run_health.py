@@ -56,7 +56,7 @@ async def test_an_unhealthy_gpu_is_refused_by_name_and_granted_again_once_health
     sock = str(short_dir / "nri.sock")
     async with Simulator(sock) as sim:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nri_accel.cli", "run", "--socket", sock, "--root",
+            [sys.executable, "-m", "nri_accel", "run", "--socket", sock, "--root",
              root.root, "--config", str(config), "--log-file", str(log_file),
              "--state-dir", str(short_dir / "state")], stdin=subprocess.DEVNULL)
         try:
