@@ -297,9 +297,10 @@ def _run(app: App, args: argparse.Namespace, fd: int | None) -> int:
     checkpoint = Checkpoint(config.state_dir)
     grants, known = checkpoint.load()
     engine.load_checkpoint(grants, known=known)
-    # What start-up built (modules, the inventory, the Engine's tables) lives as long as
-    # the process: frozen out of the collector's sight, a full collection on the event
-    # loop takes some microseconds instead of 4 ms (26,000 objects on the demo node).
+    # What start-up built (the inventory, the Engine's tables; the modules' objects were
+    # frozen as the process entered, nri_accel.__main__) lives as long as the process:
+    # frozen out of the collector's sight, a full collection on the event loop takes
+    # some microseconds instead of 4 ms (26,000 objects on the demo node).
     gc.freeze()
     return asyncio.run(_serve(app, engine, checkpoint, identity, fd, args.socket))
 
