@@ -213,3 +213,8 @@ def main(argv: Sequence[str] | None = None, *,
     except KeyboardInterrupt:
         return 130
 
+
+if __name__ == "__main__":
+    # `python -m nri_accel.cli` (as earlier versions were run): the same command as
+    # `python -m nri_accel`, without the start-up measures of nri_accel.__main__
+    sys.exit(main())

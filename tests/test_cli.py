@@ -46,8 +46,9 @@ def test_inventory_and_root_are_exclusive(capsys) -> None:
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def test_version() -> None:
-    out = subprocess.run([sys.executable, "-m", "nri_accel", "version"],
+@pytest.mark.parametrize("module", ["nri_accel", "nri_accel.cli"])
+def test_version(module: str) -> None:
+    out = subprocess.run([sys.executable, "-m", module, "version"],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == f"nri-accel {__version__}"
 
