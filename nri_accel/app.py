@@ -64,10 +64,11 @@ class App(Struct):
         inventory_path = getattr(args, "inventory", None)
         root_dir = getattr(args, "root", None)
         if inventory_path is not None and not os.path.isfile(inventory_path):
-            raise ConfigError("no such file (write one with `nri-accel discover --json`)",
+            raise ConfigError(_not_a("file", inventory_path) + " (write one with "
+                              "`nri-accel discover --json`)",
                               source=f"--inventory {inventory_path}")
         if root_dir is not None and not os.path.isdir(root_dir):
-            raise ConfigError("no such directory: the host root to discover",
+            raise ConfigError(_not_a("directory", root_dir) + ": the host root to discover",
                               source=f"--root {root_dir}")
         app = cls(config, inventory_path, root_dir, choose_address(
             getattr(args, "metrics_address", None), config.metrics.address,
@@ -122,3 +123,14 @@ class App(Struct):
 
         return Refresher(self.host_root(), self.config, inventory, on_change,
                          state=self._probe)
+
+
+def _not_a(wanted: str, path: str) -> str:
+    """Why `path` is not the `wanted` ("file", "directory") a flag names."""
+    if not os.path.exists(path):  # (a dangling symlink too)
+        return f"no such {wanted}"
+    if os.path.isdir(path):
+        return "is a directory, not a file"
+    if wanted == "directory":
+        return "is not a directory"
+    return "is not a regular file"

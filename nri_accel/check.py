@@ -2,9 +2,10 @@
 the node, talk NRI to the runtime and read the runtime's NRI configuration.
 
 Owns: the checks, the NRI probe and their report. Imports the standard library, msgspec,
-nri_accel.app, nri_accel.nri.stub (the Stub through its public API only: constructor,
-run(), stop(), runtime), nri_accel.runtime_config and nri_accel.state (the record `run`
-keeps of its registration).
+nri_accel.app, nri_accel.config (the unix socket path rule), nri_accel.nri.stub (the
+Stub through its public API only: constructor, run(), stop(), runtime, last_failure),
+nri_accel.runtime_config and nri_accel.state (the record `run` keeps of its
+registration).
 
 Prints one line per finding, "ok:", "info:", "warn:" or "error:" first. Exit status 0 when
 `run` would work (warnings allowed), 1 otherwise, 2 for an invalid configuration (as with
@@ -16,7 +17,8 @@ runtime's Configure (its name, version, NRI version and timeouts) and first Sync
 (what it lists), and stops: its stub closes the connection a quarter second after
 answering, so that the runtime has read the answer (nri_accel.nri.stub.LINGER). The waits
 are bounded by --timeout seconds, so a runtime that accepts the connection but never
-answers is an error, never a hang. It changes nothing on the node:
+answers is an error, never a hang; one that closes the connection, or sends bytes that
+are not NRI, is an error saying so. It changes nothing on the node:
 - it registers as PROBE_NAME, never as nri-accel: the runtime keeps a plugin per
   connection and refuses no duplicate name (nri pkg/adaptation acceptPluginConnections
   and RegisterPlugin check only the name's syntax), so it registers beside a running
@@ -49,6 +51,7 @@ from msgspec import Struct
 
 from nri_accel import runtime_config as rc
 from nri_accel.app import REPORT, App
+from nri_accel.config import unix_socket_path_problem
 from nri_accel.nri.stub import Identity, RuntimeInfo, Stub
 from nri_accel.state import NriStatus
 
@@ -99,6 +102,7 @@ class ProbeResult(Struct, frozen=True):
     pods: int = 0
     containers: int = 0
     failure: str = ""  # the stub itself failed (a bug, not the runtime's doing)
+    refused: str = ""  # why the latest registration failed: what the peer did ("": none)
 
 
 async def probe(socket_path: str, identity: Identity, timeout: float) -> ProbeResult:
@@ -126,11 +130,14 @@ async def probe(socket_path: str, identity: Identity, timeout: float) -> ProbeRe
             failure = f"{type(exc).__name__}: {exc}"
     return ProbeResult(identity, stub.runtime if plugin.configures else None,
                        plugin.configures, plugin.synchronized.is_set(), plugin.pods,
-                       plugin.containers, failure)
+                       plugin.containers, failure, stub.last_failure)
 
 
 def _socket_finding(path: str) -> Finding | None:
     """What keeps `path` from being probed (None: it accepts connections)."""
+    why = unix_socket_path_problem(path)
+    if why is not None:  # before stat: a path too long may name a file, never a socket
+        return "error", f"NRI socket {path!r} {why}: nothing can connect to it"
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -167,6 +174,10 @@ def probe_findings(result: ProbeResult, path: str, timeout: float) -> list[Findi
     rt = result.runtime
     if result.failure and not result.synchronized:
         return [("error", f"NRI socket {path}: the probe ({who}) failed: {result.failure}")]
+    if rt is None and result.refused:  # it answered, but not as an NRI runtime does
+        return [("error", f"NRI socket {path} accepts connections, but the probe's "
+                          f"registration ({who}) failed: {result.refused}: what listens "
+                          "there is not an NRI runtime, or it refuses plugins")]
     if rt is None:
         return [("error", f"NRI socket {path} accepts connections, but nothing answered "
                           f"the probe's registration ({who}) within {_secs(timeout)}: the "

@@ -10,20 +10,33 @@ Run with no arguments by the container runtime (NRI_PLUGIN_SOCKET set: a
 pre-registered plugin), it behaves as `run`.
 
 Exit status: 0 success, 1 refused/failed (the reason on stderr), 2 usage or
-configuration error.
+configuration error (a flag, the configuration, a saved inventory or a Pod manifest).
+Output that cannot be written (a reader that left the pipe, a full disk) ends any verb
+the same way: main() tells it from the verb's own errors, exit 1 without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import IO, Any
 
 from nri_accel import __version__
-from nri_accel.config import DEFAULT_CONFIG_PATH, DEFAULT_SOCKET, DEFAULT_STATE_DIR
+from nri_accel.config import (
+    DEFAULT_CONFIG_PATH,
+    DEFAULT_SOCKET,
+    DEFAULT_STATE_DIR,
+    UNIX_PATH_MAX,
+    unix_socket_path_problem,
+)
 from nri_accel.demo import DEFAULT_NODE, NODES
+
+KUBELET_SOCKET = "kubelet.sock"  # deviceplugin.server's (which imports grpc: not here)
 
 _EPILOG = """\
 examples:
@@ -33,6 +46,9 @@ examples:
   nri-accel discover --json > node.json            capture the node for dry runs
   nri-accel explain --inventory node.json --pod pod.yaml
   nri-accel run                                    serve containerd/CRI-O over NRI
+
+exit status: 0 success; 1 refused or failed (the reason on stderr); 2 usage or
+configuration error (a flag, the configuration, a saved inventory, a Pod manifest)
 
 docs: README.md (annotation and env syntax, configuration), deploy/ (install)
 """
@@ -48,14 +64,42 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _path(text: str) -> str:
+    """A path flag's value: an empty one would name no file (or quietly mean the default)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return text
+
+
+def _socket_path(text: str) -> str:
+    """--socket: a path a unix socket can have (connect() would fail on it forever)."""
+    why = unix_socket_path_problem(text)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} {why}" if text else why)
+    return text
+
+
+def _kubelet_dir(text: str) -> str:
+    """--kubelet-dir: a directory where kubelet's socket (the shortest of those the
+    device plugin uses there) can have a unix socket path."""
+    _path(text)
+    socket = os.path.join(os.path.abspath(text), KUBELET_SOCKET)
+    size = len(os.fsencode(socket))
+    if size > UNIX_PATH_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: its {KUBELET_SOCKET} would be a {size}-byte path, over the "
+            f"{UNIX_PATH_MAX}-byte limit of a unix socket path")
+    return text
+
+
 def _add_config(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE",
+    p.add_argument("--config", metavar="FILE", type=_path,
                    help=f"TOML configuration (default {DEFAULT_CONFIG_PATH} if it exists)")
 
 
 def _add_daemon(p: argparse.ArgumentParser) -> None:
     """The flags `run` and `device-plugin` share."""
-    p.add_argument("--state-dir", metavar="DIR",
+    p.add_argument("--state-dir", metavar="DIR", type=_path,
                    help="grant checkpoint and the state `run` shares with `device-plugin` "
                    f"(default: config state_dir, else {DEFAULT_STATE_DIR})")
     p.add_argument("--metrics-address", metavar="HOST:PORT",
@@ -65,10 +109,11 @@ def _add_daemon(p: argparse.ArgumentParser) -> None:
 
 def _add_source(p: argparse.ArgumentParser, *, required: bool = False) -> None:
     g = p.add_mutually_exclusive_group(required=required)
-    g.add_argument("--inventory", metavar="FILE",
+    g.add_argument("--inventory", metavar="FILE", type=_path,
                    help="use a saved inventory (from `discover --json`) instead of discovery")
-    g.add_argument("--root", metavar="DIR",
-                   help="discover the host mounted at DIR (default /; /host in a DaemonSet)")
+    where = "/host in a DaemonSet" if required else "default /; /host in a DaemonSet"
+    g.add_argument("--root", metavar="DIR", type=_path,
+                   help=f"discover the host mounted at DIR ({where})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,13 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "CreateContainer with device adjustments. Reconnects when the "
                        "runtime restarts. When launched by the runtime from its plugin "
                        "directory (NRI_PLUGIN_SOCKET set), uses the inherited socket.")
-    p.add_argument("--socket", metavar="PATH",
-                   help=f"NRI socket (default: config nri.socket, else {DEFAULT_SOCKET})")
+    p.add_argument("--socket", metavar="PATH", type=_socket_path,
+                   help=f"NRI socket, at most {UNIX_PATH_MAX} bytes (default: config "
+                   f"nri.socket, else {DEFAULT_SOCKET})")
     p.add_argument("--name", help="plugin name (default: env NRI_PLUGIN_NAME, argv[0] "
                    "NN-name, config nri.name, else nri-accel)")
     p.add_argument("--idx", metavar="NN", help="two-digit plugin index (default: env "
                    "NRI_PLUGIN_IDX, argv[0] NN-name, config nri.idx, else 40)")
-    p.add_argument("--log-file", metavar="FILE",
+    p.add_argument("--log-file", metavar="FILE", type=_path,
                    help="append logs to FILE instead of stderr (rotated at 16 MiB)")
     _add_config(p)
     _add_daemon(p)
@@ -104,24 +150,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("discover", help="show what accelerators and drivers this node has",
                        description="Discover devices and driver files once and print them: "
                        "a table, or the Inventory JSON that --inventory accepts.")
-    p.add_argument("--root", metavar="DIR", help="host root to read (default /)")
+    p.add_argument("--root", metavar="DIR", type=_path, help="host root to read (default /)")
     p.add_argument("--json", action="store_true", help="print the Inventory as JSON")
     _add_config(p)
     p.set_defaults(target="nri_accel.discover.report:main_discover")
 
     p = sub.add_parser("explain", help="dry run: what a pod's container would get",
                        description="Run a Kubernetes Pod manifest through the same pipeline "
-                       "as CreateContainer. Exit 0 and print the adjustment, or exit 1 "
-                       "with the reason on stderr when the request is refused.")
+                       "as CreateContainer. Exit 0 and print the adjustment; exit 1 with "
+                       "the reason on stderr when a container's request is refused; exit 2 "
+                       "for a usage error or an unreadable manifest, inventory or "
+                       "configuration.")
     _add_source(p, required=True)
-    p.add_argument("--pod", metavar="POD.yaml", required=True, help="Pod manifest (YAML or JSON)")
+    p.add_argument("--pod", metavar="POD.yaml", required=True, type=_path,
+                   help="Pod manifest (YAML or JSON)")
     p.add_argument("--container", metavar="NAME", help="container name (default: every container)")
     p.add_argument("--json", action="store_true",
                    help="print the ContainerAdjustment in protobuf JSON mapping")
     _add_config(p)
     p.set_defaults(target="nri_accel.explain:main_explain")
 
-    p = sub.add_parser("cdi", help="CDI spec tools")
+    p = sub.add_parser("cdi", help="CDI spec tools",
+                       description="Container Device Interface (CDI) spec tools: `generate` "
+                       "writes the devices nri-accel discovers as CDI specs.")
     cdi = p.add_subparsers(dest="cdi_verb", metavar="VERB")
     cdi.required = True
     g = cdi.add_parser("generate", help="write a CDI spec for the discovered devices",
@@ -129,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "Neuron, Gaudi, AMD) as CDI specs, one per kind, for runtimes or "
                        "tools that consume CDI directly.")
     _add_source(g)
-    g.add_argument("--output", metavar="FILE|DIR",
+    g.add_argument("--output", metavar="FILE|DIR", type=_path,
                    help="write to FILE, or one <vendor>-<class>.yaml per kind into DIR "
-                   "(default: stdout)")
+                   "(default: stdout); a symlink is followed, anything but a regular "
+                   "file or directory refused")
     _add_config(g)
     g.set_defaults(target="nri_accel.discover.report:main_cdi_generate")
 
@@ -142,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "with the runtime (as its --state-dir records), every device is "
                        "Unhealthy and Allocate is refused.")
     p.add_argument("--kubelet-dir", metavar="DIR", default="/var/lib/kubelet/device-plugins",
+                   type=_kubelet_dir,
                    help="kubelet device-plugin directory (default %(default)s)")
     _add_config(p)
     _add_daemon(p)
@@ -153,9 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "short-lived probe plugin (99-nri-accel-check) on the NRI socket and "
                        "read the runtime's NRI configuration (containerd, CRI-O) under the "
                        "host root; print what is wrong. Exit 0 only if `run` would work "
-                       "(warnings allowed), 1 otherwise, 2 for an invalid configuration.")
-    p.add_argument("--socket", metavar="PATH",
-                   help=f"NRI socket to check (default: config nri.socket, else {DEFAULT_SOCKET})")
+                       "(warnings allowed), 1 otherwise, 2 for a usage error or an invalid "
+                       "configuration or saved inventory.")
+    p.add_argument("--socket", metavar="PATH", type=_socket_path,
+                   help=f"NRI socket to check, at most {UNIX_PATH_MAX} bytes (default: config "
+                   f"nri.socket, else {DEFAULT_SOCKET})")
     p.add_argument("--timeout", metavar="SECONDS", type=_positive_seconds, default=None,
                    help="how long the probe waits for the runtime's Configure and first "
                    "Synchronize (default 10)")
@@ -176,15 +231,100 @@ def build_parser() -> argparse.ArgumentParser:
                    "in the protobuf JSON mapping, or the refusal) and the daemon log")
     p.set_defaults(target="nri_accel.demo:main_demo")
 
-    p = sub.add_parser("version", help="print the version")
+    p = sub.add_parser("version", help="print the version",
+                       description="Print nri-accel's version (as `nri-accel --version`).")
     p.set_defaults(target=None)
     return parser
+
+
+class _Output:
+    """sys.stdout while main() runs: the same stream, remembering the first error in
+    writing it, so that main() tells output that cannot be written (the reader left,
+    the disk is full) from a verb's own OSErrors, whose traceback is a bug's."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.error: OSError | None = None
+
+    def _failed(self, e: OSError) -> None:
+        if self.error is None:
+            self.error = e
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as e:
+            self._failed(e)
+            raise
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as e:
+            self._failed(e)
+            raise
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
+        return getattr(self.stream, name)
 
 
 def main(argv: Sequence[str] | None = None, *,
          imported: Callable[[], None] | None = None) -> int:
     """Run the verb `argv` names (default: sys.argv's); `imported` is called once the
-    verb's module is imported, or the command line refused (see nri_accel.__main__)."""
+    verb's module is imported, or the command line refused (see nri_accel.__main__).
+
+    Whatever the verb, output that cannot be written ends it with exit status 1 and,
+    unless the reader just left the pipe (EPIPE: quiet, as `cmd | head` expects), one
+    line on stderr, never a traceback."""
+    if sys.stdout is None:  # started with stdout closed: print() writes nothing
+        return _main(argv, imported)
+    out = _Output(sys.stdout)
+    sys.stdout = out  # type: ignore[assignment]
+    code, exiting = 1, None
+    try:
+        try:
+            code = _main(argv, imported)
+        except SystemExit as e:  # argparse's, after --help or a usage error (it ignores
+            exiting = e          # an error in writing the help: out.error has it)
+        if out.error is None:
+            out.flush()
+    except OSError:
+        if out.error is None:
+            raise
+    finally:
+        sys.stdout = out.stream
+    if out.error is not None:
+        return _cannot_write(out.error)
+    if exiting is not None:
+        raise exiting
+    return code
+
+
+def _cannot_write(e: OSError) -> int:
+    """Python's recipe for a closed stdout (library/signal.html, "Note on SIGPIPE"):
+    point it at /dev/null, so that the interpreter's last flush at exit fails no more."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # ValueError: no file descriptor (an in-memory stream)
+        pass
+    if e.errno != errno.EPIPE:
+        _say(f"cannot write output: {e.strerror or e}")
+    return 1
+
+
+def _say(message: str) -> None:
+    """One line on stderr; quietly nothing where stderr cannot take it either."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: stderr closed
+        print(f"nri-accel: {message}", file=sys.stderr, flush=True)
+
+
+def _main(argv: Sequence[str] | None, imported: Callable[[], None] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv and os.environ.get("NRI_PLUGIN_SOCKET"):
         # Launched by the runtime from its plugin directory (/opt/nri/plugins/NN-name,
@@ -200,15 +340,15 @@ def main(argv: Sequence[str] | None = None, *,
     finally:
         if imported is not None:
             imported()
-    from nri_accel.errors import ConfigError, NriAccelError
+    from nri_accel.errors import ConfigError, InventoryError, NriAccelError
 
     try:
         return int(handler(args) or 0)
-    except ConfigError as e:
-        print(f"nri-accel: {e}", file=sys.stderr)
+    except (ConfigError, InventoryError) as e:  # InventoryError: the --inventory file
+        _say(str(e))
         return 2
     except NriAccelError as e:
-        print(f"nri-accel: {e}", file=sys.stderr)
+        _say(str(e))
         return 1
     except KeyboardInterrupt:
         return 130

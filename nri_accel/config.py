@@ -15,7 +15,7 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
     trusted_namespaces = []      # may grant through pod annotations/env in kubernetes mode
 
     [nri]
-    socket = "/var/run/nri/nri.sock"
+    socket = "/var/run/nri/nri.sock"  # absolute, at most 107 bytes (a unix socket address)
     name = "nri-accel"
     idx = "40"                   # two digits: ordering among NRI plugins
 
@@ -28,7 +28,8 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
     [discovery]
     cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
     driver_root = "/"            # host path of the NVIDIA driver's files
-    refresh_interval = 10.0      # seconds between cheap change checks; 0 disables
+    refresh_interval = 10.0      # seconds between cheap change checks, 0 to 86400;
+                                 # 0 disables
     create_device_nodes = false  # create the /dev/nvidia-caps/nvidia-cap<N> nodes MIG
                                  # devices need, and the /dev/char/<major>:<minor> links
                                  # of NVIDIA nodes, where the host lacks them (see below)
@@ -38,7 +39,8 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
     enabled = true
     ignored_xids = []            # XIDs that leave a device healthy, besides the
                                  # application XIDs 13, 31, 43, 45, 68, 109
-    recheck_interval = 60.0      # seconds an unhealthy device stays quiet before a recheck
+    recheck_interval = 60.0      # seconds an unhealthy device stays quiet before a
+                                 # recheck (over 0, at most 86400)
 
     [device_plugin]              # how `device-plugin` advertises the devices to kubelet
     mig_strategy = "mixed"       # none | single | mixed (NVIDIA's k8s-device-plugin names)
@@ -73,10 +75,15 @@ the missing nvidia-caps nodes (mode from the capability's DeviceFileMode) and
 bind-mounts device nodes from the host there) and runc's systemd cgroup driver (it
 allows a device through its /dev/char link, so a `systemctl daemon-reload` revokes
 one without it). It needs CAP_MKNOD and a writable host /dev.
+
+Numbers are finite: TOML's nan and inf are refused with the key (an interval of nan
+would make a sleep that never ends). A file that is not UTF-8, not TOML, or nested
+too deeply for the reader to follow is refused naming the file.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -91,10 +98,29 @@ from nri_accel.nri import DEFAULT_SOCKET
 
 DEFAULT_CONFIG_PATH = "/etc/nri-accel/config.toml"
 DEFAULT_STATE_DIR = "/run/nri-accel"
+MAX_INTERVAL = 86400.0  # seconds: the longest refresh or recheck interval (a day)
+UNIX_PATH_MAX = 107
+"""Bytes of a unix socket path: Linux's sun_path holds 108, the terminating NUL included."""
 
 _K8S_NS_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def unix_socket_path_problem(path: str) -> str | None:
+    """Why `path` cannot be the address of a unix socket (None if it can): empty, a NUL
+    byte, or longer than UNIX_PATH_MAX bytes (connect() and bind() would fail with
+    "AF_UNIX path too long", or the kernel would cut it). Whether it must be absolute
+    is the caller's rule."""
+    if not path:
+        return "is empty: a unix socket path is needed"
+    if "\x00" in path:
+        return "contains a NUL byte"
+    size = len(os.fsencode(path))
+    if size > UNIX_PATH_MAX:
+        return (f"is {size} bytes long, over the {UNIX_PATH_MAX}-byte limit of a unix "
+                "socket path")
+    return None
 
 
 class PolicyConfig(Struct, frozen=True):
@@ -226,8 +252,14 @@ def load_config(path: str | None) -> Config:
             data = tomllib.load(f)
     except OSError as e:
         raise ConfigError(e.strerror or str(e), source=path) from e
+    except UnicodeDecodeError as e:  # tomllib decodes the whole file first
+        raise ConfigError(f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}): a TOML file is UTF-8", source=path) from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"not valid TOML: {e}", source=path) from e
+    except RecursionError as e:  # tomllib parses nested arrays and tables recursively
+        raise ConfigError("not readable TOML: arrays or tables nested too deeply",
+                          source=path) from e
     return parse_config(data, path=path)
 
 
@@ -253,6 +285,11 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
 
     nri = r.table("nri", {"socket", "name", "idx"})
     socket = r.get(nri, "nri.socket", str, DEFAULT_SOCKET)
+    why = unix_socket_path_problem(socket)
+    if why is None and not socket.startswith("/"):
+        why = f"{socket!r} must be an absolute path"
+    if why is not None:
+        raise ConfigError(why, source=r.src("nri.socket"))
     name = r.get(nri, "nri.name", str, "nri-accel")
     idx = r.get(nri, "nri.idx", str, "40")
     if not re.fullmatch(r"[0-9]{2}", idx):
@@ -281,9 +318,7 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
     driver_root = r.get(disc, "discovery.driver_root", str, "/")
     if not driver_root.startswith("/"):
         raise ConfigError("must be absolute", source=r.src("discovery.driver_root"))
-    interval = r.get(disc, "discovery.refresh_interval", (int, float), 10.0)
-    if interval < 0:
-        raise ConfigError("must be >= 0", source=r.src("discovery.refresh_interval"))
+    interval = r.seconds(disc, "discovery.refresh_interval", 10.0, zero=True)
 
     health = r.table("health", {"enabled", "ignored_xids", "recheck_interval"})
     xids = health.get("ignored_xids", [])
@@ -291,9 +326,7 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
             isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in xids):
         raise ConfigError("expected an array of XID numbers (positive integers)",
                           source=r.src("health.ignored_xids"))
-    recheck = r.get(health, "health.recheck_interval", (int, float), 60.0)
-    if recheck <= 0:
-        raise ConfigError("must be > 0", source=r.src("health.recheck_interval"))
+    recheck = r.seconds(health, "health.recheck_interval", 60.0, zero=False)
 
     device_plugin = _device_plugin(r)
 
@@ -350,10 +383,10 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
             hook_path=hook_path,
             shared_kinds=frozenset(shared_kinds),
         ),
-        discovery=DiscoveryConfig(tuple(spec_dirs), driver_root, float(interval),
+        discovery=DiscoveryConfig(tuple(spec_dirs), driver_root, interval,
                                   r.get(disc, "discovery.create_device_nodes", bool, False)),
         health=HealthConfig(r.get(health, "health.enabled", bool, True), frozenset(xids),
-                            float(recheck)),
+                            recheck),
         log=LogConfig(level, fmt),
         metrics=MetricsConfig(metrics_address),
         static_devices=tuple(statics),
@@ -438,6 +471,20 @@ class _Reader:
             raise ConfigError(f"expected {_tname(typ)}, got {type(v).__name__}",
                               source=self.src(key))
         return v
+
+    def seconds(self, table: dict[str, Any], key: str, default: float, *,
+                zero: bool) -> float:
+        """A finite number of seconds up to MAX_INTERVAL, from 0 when `zero` (which
+        means off), else over 0. TOML's nan and inf are numbers, and refused."""
+        v = self.get(table, key, (int, float), default)
+        # (an int is finite; math.isfinite would overflow on a huge one)
+        if not ((isinstance(v, int) or math.isfinite(v)) and 0 <= v <= MAX_INTERVAL
+                and (v or zero)):
+            shown = repr(v) if len(repr(v)) <= 24 else repr(v)[:20] + "..."
+            low = "from 0 (off)" if zero else "over 0 and"
+            raise ConfigError(f"expected a number of seconds {low} up to {MAX_INTERVAL:g}, "
+                              f"not {shown}", source=self.src(key))
+        return float(v)
 
     def str_list(self, table: dict[str, Any], key: str, default: list[str]) -> list[str]:
         v = table.get(key.rsplit(".", 1)[-1], default)

@@ -38,7 +38,7 @@ container: the adjustment itself; several: an object keyed by "namespace/pod/con
 Exit 0
 when every container was planned, 1 when any request was refused (the reason on stderr,
 naming the annotation or variable) or a pod asks for more of a resource than is free, 2
-for an unreadable manifest or configuration.
+for an unreadable manifest, inventory or configuration.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from nri_accel.inventory import Inventory
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job",
                             "ReplicationController"})
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+MAX_LIST_DEPTH = 8  # a List in a List ...: deeper is a mistake, or an alias to itself
 
 
 class PodContainer(Struct, frozen=True):
@@ -177,18 +178,30 @@ def _section(lines: list[str], title: str, items: Iterable[str]) -> None:
 
 
 def read_manifests(path: str) -> list[dict[str, Any]]:
-    """The pod-shaped documents of a YAML/JSON file (Pods, Lists, workload templates)."""
+    """The pod-shaped documents of a YAML/JSON file (Pods, Lists, workload templates).
+
+    Raises ConfigError naming the file (and the document and key) for a file that
+    cannot be read, is not UTF-8, not YAML, nested too deeply to parse, or holds
+    anything but Pods."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(MAX_MANIFEST_BYTES + 1)
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
         raise ConfigError(e.strerror or str(e), source=path) from e
-    if len(text) > MAX_MANIFEST_BYTES:
+    if len(data) > MAX_MANIFEST_BYTES:
         raise ConfigError(f"larger than {MAX_MANIFEST_BYTES} bytes", source=path)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start}): a manifest is UTF-8", source=path) from e
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as e:
         raise ConfigError(f"not valid YAML: {e}", source=path) from e
+    except RecursionError as e:  # PyYAML composes nested collections recursively
+        raise ConfigError("not readable YAML: sequences or mappings nested too deeply",
+                          source=path) from e
     pods: list[dict[str, Any]] = []
     for i, doc in enumerate(docs):
         pods.extend(_pods_of(doc, f"{path}: document {i + 1}"))
@@ -197,15 +210,21 @@ def read_manifests(path: str) -> list[dict[str, Any]]:
     return pods
 
 
-def _pods_of(doc: Any, where: str) -> list[dict[str, Any]]:
+def _pods_of(doc: Any, where: str, depth: int = 0) -> list[dict[str, Any]]:
     if not isinstance(doc, dict):
         raise ConfigError("expected a Kubernetes object (a mapping)", source=where)
     kind = doc.get("kind", "Pod")
+    if not isinstance(kind, str):
+        raise ConfigError(f"expected a string, got {type(kind).__name__}",
+                          source=f"{where}.kind")
     if kind == "List":
+        if depth >= MAX_LIST_DEPTH:
+            raise ConfigError(f"Lists nested more than {MAX_LIST_DEPTH} deep", source=where)
         items = doc.get("items") or []
         if not isinstance(items, list):
             raise ConfigError("items must be a list", source=where)
-        return [p for i, item in enumerate(items) for p in _pods_of(item, f"{where}.items[{i}]")]
+        return [p for i, item in enumerate(items)
+                for p in _pods_of(item, f"{where}.items[{i}]", depth + 1)]
     if kind == "Pod":
         return [doc]
     if kind in WORKLOAD_KINDS or kind == "CronJob":

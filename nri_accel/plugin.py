@@ -25,6 +25,12 @@ Logs go to stderr, or to --log-file. A plugin the runtime launches itself
 (pre-registered: NRI_PLUGIN_SOCKET set) has stdout and stderr on /dev/null, so its
 logs, fatal errors included, go to --log-file or else to /var/log/nri-accel.log
 (size-bounded, see nri_accel.log).
+
+`run` stops at start (a ConfigError: exit status 2, a fatal_error line) rather than
+serve what could never work: an inherited NRI_PLUGIN_SOCKET that is not a connected
+unix socket (Stub.inherited_fd), a state directory that is not a directory or cannot be
+created (nri_accel.state.prepare_state_dir), a grant checkpoint that cannot be written
+there (it writes one before it serves).
 """
 
 from __future__ import annotations
@@ -53,9 +59,16 @@ from nri_accel.health import HealthWatches
 from nri_accel.inventory import Inventory
 from nri_accel.metrics import ERROR, OK, REFUSED, RUN_EVENTS, RequestRecorder, device_counts
 from nri_accel.nri import adjust, convert
-from nri_accel.nri.stub import Stub, StubConfigError, resolve_identity
+from nri_accel.nri.stub import ENV_PLUGIN_SOCKET, Stub, resolve_identity
 from nri_accel.request import ANNOTATION_PREFIXES, ENV_PREFIXES, RESERVED_KEYS
-from nri_accel.state import Checkpoint, CheckpointWriter, NriStatus, boottime
+from nri_accel.state import (
+    Checkpoint,
+    CheckpointWriter,
+    NriStatus,
+    boottime,
+    prepare_state_dir,
+    state_dir_source,
+)
 from nri_accel.ttrpc import MAX_MESSAGE_SIZE
 
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -265,12 +278,12 @@ def _shown(text: str, limit: int = 256) -> str:
 def main_run(args: argparse.Namespace) -> int:
     """`nri-accel run`: flags --socket, --name, --idx, --config, --log-file, --state-dir,
     --metrics-address, --inventory FILE | --root DIR. Returns the exit status."""
-    fd = Stub.inherited_fd()
-    preregistered = fd is not None
+    preregistered = bool(os.environ.get(ENV_PLUGIN_SOCKET))
     if preregistered:  # stderr is /dev/null: even a fatal configuration error is logged
         logging_setup.configure(file=logging_setup.open_log_file(args.log_file,
                                                                  preregistered=True))
     try:
+        fd = Stub.inherited_fd()  # checked: a connected unix socket, else a ConfigError
         app = App.from_args(args, mode=DAEMON, log_file=args.log_file,
                             preregistered=preregistered)
     except NriAccelError as e:
@@ -287,16 +300,20 @@ def main_run(args: argparse.Namespace) -> int:
 
 def _run(app: App, args: argparse.Namespace, fd: int | None) -> int:
     config = app.config
-    try:
-        identity = resolve_identity(args.name, args.idx, argv0=sys.argv[0],
-                                    default_name=config.nri.name, default_idx=config.nri.idx)
-    except StubConfigError as e:
-        raise ConfigError(e.message, source=e.source) from e
+    identity = resolve_identity(args.name, args.idx, argv0=sys.argv[0],  # a ConfigError
+                                default_name=config.nri.name, default_idx=config.nri.idx)
+    state_source = state_dir_source(args.state_dir, config.path)
+    prepare_state_dir(config.state_dir, source=state_source)
     inventory = app.load_inventory()
     engine = Engine(inventory, config)
     checkpoint = Checkpoint(config.state_dir)
     grants, known = checkpoint.load()
     engine.load_checkpoint(grants, known=known)
+    try:  # every run writes one before it serves (see nri_accel.state)
+        checkpoint.save(engine.holdings.to_json(checkpoint.boot_id))
+    except OSError as e:
+        raise ConfigError(f"cannot write the grant checkpoint {checkpoint.path}: "
+                          f"{e.strerror or e}", source=state_source) from e
     # What start-up built (the inventory, the Engine's tables; the modules' objects were
     # frozen as the process entered, nri_accel.__main__) lives as long as the process:
     # frozen out of the collector's sight, a full collection on the event loop takes
@@ -310,8 +327,6 @@ async def _serve(app: App, engine: Engine, checkpoint: Checkpoint, identity: Any
     config = app.config
     writer = CheckpointWriter(checkpoint, engine.holdings.snapshot,
                               known=lambda: engine.holdings.known)
-    writer.changed()  # every run writes one before it serves (see nri_accel.state)
-    await writer.flush()
     stub = Stub(AccelPlugin(engine, writer.changed), identity,
                 socket_path=socket_path or config.nri.socket, fd=fd)
     stub.install_signal_handlers()

@@ -36,12 +36,15 @@ device-manager checkpoint does the same) and read at start:
 
 A checkpoint of another boot holds nothing (no container survives a reboot). A missing
 one means nri-accel never granted anything on this boot: every `run` writes one before
-it serves (Checkpoint.save on start). One that cannot be read leaves the state unknown:
-count requests are then refused (StateError) until a Synchronize tells what runs. The
-unknown state is written down ("known": false, with whatever was granted since), so that
-it outlives the unreadable file that `run` replaces: a plugin that never gets a
-Synchronize (containerd 1.7 launching it) and restarts again must not read "nothing is
-held" into a checkpoint that only said "not known". An absent "known" means true.
+it serves (Checkpoint.save on start; a state directory where it cannot be written stops
+`run` there: prepare_state_dir). One that cannot be read leaves the state unknown:
+count requests are then refused (StateError) until a Synchronize tells what runs. It
+is kept for inspection, renamed to `grants.json.unreadable` (replacing an older one,
+so the directory stays bounded), and the log line says where. The unknown state is
+written down ("known": false, with whatever was granted since), so that it outlives
+the unreadable file that `run` replaces: a plugin that never gets a Synchronize
+(containerd 1.7 launching it) and restarts again must not read "nothing is held" into a
+checkpoint that only said "not known". An absent "known" means true.
 """
 
 from __future__ import annotations
@@ -57,12 +60,13 @@ from typing import Any
 
 from msgspec import Struct, field
 
-from nri_accel.errors import AllocationError, StateError
+from nri_accel.errors import AllocationError, ConfigError, StateError
 from nri_accel.log import get_logger
 
 log = get_logger(__name__)
 
 CHECKPOINT_FILE = "grants.json"
+UNREADABLE_SUFFIX = ".unreadable"  # where an unreadable checkpoint is kept: grants.json.unreadable
 NRI_STATUS_FILE = "nri-plugin.json"
 CHECKPOINT_VERSION = 1
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -371,7 +375,7 @@ class Checkpoint:
                      meaning="nothing was granted on this boot")
             return [], True
         except OSError as e:
-            log.error("checkpoint_unreadable", path=self.path, error=e.strerror or str(e))
+            self._unreadable(e.strerror or str(e))
             return [], False
         try:
             if len(data) > MAX_CHECKPOINT_BYTES:
@@ -385,7 +389,7 @@ class Checkpoint:
                 raise ValueError("known must be true or false")
             grants = [Grant.from_dict(g) for g in doc["grants"]]
         except ValueError as e:
-            log.error("checkpoint_unreadable", path=self.path, error=str(e))
+            self._unreadable(str(e))
             return [], False
         boot = doc.get("boot_id", "")
         if self.boot_id and boot != self.boot_id:
@@ -399,6 +403,21 @@ class Checkpoint:
                                 "Synchronize has told what runs since: counts are refused")
         log.info("checkpoint_loaded", path=self.path, grants=len(grants), known=known)
         return grants, known
+
+    def _unreadable(self, error: str) -> None:
+        """Log that the checkpoint cannot be read, and keep it for inspection: renamed
+        to <path>.unreadable (replacing an older one), out of the way of the checkpoint
+        `run` writes next."""
+        kept = self.path + UNREADABLE_SUFFIX
+        try:
+            os.replace(self.path, kept)
+        except OSError as e:
+            log.error("checkpoint_unreadable", path=self.path, error=error, kept=None,
+                      keep_error=e.strerror or str(e),
+                      meaning="counts are refused until a Synchronize tells what runs")
+        else:
+            log.error("checkpoint_unreadable", path=self.path, error=error, kept=kept,
+                      meaning="counts are refused until a Synchronize tells what runs")
 
     def save(self, text: str) -> None:
         """Write `text` (Holdings.to_json) atomically. Raises OSError."""
@@ -419,6 +438,38 @@ class Checkpoint:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def prepare_state_dir(path: str, *, source: str, create: bool = True) -> None:
+    """Make sure the state directory `path` is a directory: with `create` (`run`, which
+    writes there), created where absent (mode 0755, parents too) and writable; without
+    (`device-plugin`, which only reads), absent is fine until `run` creates it. Raises
+    ConfigError naming `source` (the flag or config key that chose `path`), so that a
+    daemon stops at start instead of failing each write."""
+    try:
+        if create:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+        elif not os.path.lexists(path):
+            return
+    except FileExistsError:  # makedirs: it exists and is not a directory
+        pass
+    except OSError as e:
+        raise ConfigError(f"cannot create the state directory {path}: {e.strerror or e}",
+                          source=source) from e
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path} is not a directory (the state directory holds the grant "
+                          "checkpoint and the record `run` keeps for `device-plugin`)",
+                          source=source)
+    if create and not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"the state directory {path} is not writable", source=source)
+
+
+def state_dir_source(flag: str | None, config_path: str) -> str:
+    """What chose the state directory, for messages: --state-dir, the config file's
+    state_dir, or the default."""
+    if flag:
+        return "--state-dir"
+    return f"{config_path}: state_dir" if config_path else "state_dir (default)"
 
 
 def _new_file(directory: str, prefix: str) -> tuple[int, str]:

@@ -9,6 +9,7 @@ reads a node's from a DaemonSet.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -22,8 +23,9 @@ from typing import Any
 import pytest
 
 from nri_accel import runtime_config as rc
-from nri_accel.check import runtime_config_findings
+from nri_accel.check import _socket_finding, runtime_config_findings
 from nri_accel.cli import main
+from nri_accel.config import UNIX_PATH_MAX
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import (
@@ -88,6 +90,52 @@ def test_a_socket_that_accepts_but_never_answers_is_an_error(short_dir, capsys) 
     assert rc_ == 1
     assert (f"error: NRI socket {path} accepts connections, but nothing answered the "
             "probe's registration (99-nri-accel-check) within 300 ms") in out
+
+
+@pytest.mark.parametrize(("reply", "said"), [
+    (b"", "the peer closed the connection before answering RegisterPlugin"),
+    (b"HTTP/1.1 400 Bad Request\r\n\r\n",
+     "the peer sent bytes that are not NRI (mux frame for connection 1213486160"),
+])
+def test_a_socket_that_closes_or_answers_garbage_is_said_so(short_dir, capsys, reply,
+                                                            said) -> None:
+    # Not a hang: what listens there closes at once, or reads the registration and
+    # answers as an HTTP server would; each probe once read "nothing answered ...: the
+    # runtime is hung".
+    path = short_dir / "nri.sock"
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            if reply:
+                await reader.read(1)
+                writer.write(reply)
+                await writer.drain()
+        writer.close()
+
+    async def go() -> int:
+        async with await asyncio.start_unix_server(answer, str(path)):
+            return await run_check(["check", "--inventory", str(DEMO), "--socket",
+                                    str(path), "--timeout", "0.5"])
+
+    code = scenario(go())
+    out = capsys.readouterr().out
+    assert code == 1
+    assert (f"error: NRI socket {path} accepts connections, but the probe's registration "
+            f"(99-nri-accel-check) failed: {said}") in out
+    assert "hung" not in out
+
+
+def test_a_socket_path_too_long_is_an_error_not_a_socket_to_wait_for(short_dir) -> None:
+    # It once read "does not exist yet" (a warning, exit 0): it can never be connected to,
+    # whether a file has that name or not.
+    path = short_dir / ("s" * (UNIX_PATH_MAX - len(str(short_dir))))
+    assert _socket_finding(str(path))[0] == "error"
+    path.touch()
+    level, text = _socket_finding(str(path))
+    assert level == "error"
+    assert text.startswith(f"NRI socket {str(path)!r} is {UNIX_PATH_MAX + 1} bytes long, "
+                           f"over the {UNIX_PATH_MAX}-byte limit")
+    assert _socket_finding(str(short_dir / "absent.sock"))[0] == "warn"  # run would retry
 
 
 def test_empty_node_warns(tmp_path, capsys) -> None:

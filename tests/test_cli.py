@@ -61,14 +61,16 @@ def test_bad_config_exits_2_naming_the_key(tmp_path, capsys) -> None:
     assert "policy.mode" in capsys.readouterr().err
 
 
-def _verb_parsers(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, Any]:
-    """{"run": parser, "cdi generate": parser, ...}: every verb's own parser."""
+def _verb_parsers(parser: argparse.ArgumentParser, prefix: str = "", *,
+                  inner: bool = True) -> dict[str, Any]:
+    """{"run": parser, "cdi generate": parser, ...}: every verb's own parser (inner=False:
+    the top level's, "cdi" included)."""
     out: dict[str, Any] = {}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                inner = _verb_parsers(sub, f"{prefix}{name} ")
-                out.update(inner or {f"{prefix}{name}": sub})
+                verbs = _verb_parsers(sub, f"{prefix}{name} ") if inner else {}
+                out.update(verbs or {f"{prefix}{name}": sub})
     return out
 
 
@@ -126,3 +128,57 @@ print(loading, gc.isenabled(), gc.get_freeze_count() > 10_000,
                             text=True)
     assert result.stdout.split() == ["nri-accel", __version__,
                                      "False", "True", "True", "True", "True"]
+
+
+def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """stderr of a command line argparse refuses (exit status 2)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--socket", ""], ["check", "--socket", ""], ["run", "--config", ""],
+    ["run", "--state-dir", ""], ["run", "--log-file", ""], ["discover", "--root", ""],
+    ["explain", "--inventory", "", "--pod", "p"], ["explain", "--root", "/", "--pod", ""],
+    ["cdi", "generate", "--output", ""], ["device-plugin", "--kubelet-dir", ""],
+])
+def test_an_empty_path_is_refused_naming_the_flag(capsys, argv: list[str]) -> None:
+    # an empty --socket or --state-dir used to mean the default, an empty --config or
+    # --pod an error naming no file
+    flag = argv[argv.index("") - 1]
+    err = _refused(capsys, argv)
+    assert f"argument {flag}: " in err and "empty" in err
+
+
+@pytest.mark.parametrize("verb", ["run", "check"])
+def test_a_socket_path_over_the_unix_limit_is_refused(capsys, verb: str) -> None:
+    fits = "/" + "s" * 106  # 107 bytes: the most a unix socket path holds on Linux
+    assert build_parser().parse_args([verb, "--socket", fits]).socket == fits
+    err = _refused(capsys, [verb, "--socket", fits + "s"])
+    assert "argument --socket: " in err
+    assert "is 108 bytes long, over the 107-byte limit of a unix socket path" in err
+    assert "at most 107 bytes" in _verb_parsers(build_parser())[verb].format_help()
+
+
+def test_a_kubelet_dir_whose_socket_path_is_too_long_is_refused(capsys) -> None:
+    fits = "/" + "k" * (107 - len("/kubelet.sock") - 1)
+    assert build_parser().parse_args(["device-plugin", "--kubelet-dir", fits]).kubelet_dir == fits
+    err = _refused(capsys, ["device-plugin", "--kubelet-dir", fits + "k"])
+    assert "argument --kubelet-dir: " in err
+    assert "its kubelet.sock would be a 108-byte path, over the 107-byte limit" in err
+
+
+def test_help_says_what_each_verb_does_and_explain_its_exit_statuses() -> None:
+    parsers = _verb_parsers(build_parser())
+    top = _verb_parsers(build_parser(), inner=False)
+    for name, sub in [*parsers.items(), ("cdi", top["cdi"])]:
+        assert sub.description, f"`nri-accel {name} --help` has no description"
+    explain = parsers["explain"].format_help()
+    assert "exit 1" in explain and "exit 2" in explain  # as README's "Command line"
+    root = next(a for a in parsers["explain"]._actions if "--root" in a.option_strings)
+    assert "default" not in root.help  # one of --inventory and --root is required
+    root = next(a for a in parsers["run"]._actions if "--root" in a.option_strings)
+    assert "default /" in root.help
+    assert "2 usage or" in build_parser().format_help()

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 
 from nri_accel.config import (
+    MAX_INTERVAL,
+    UNIX_PATH_MAX,
     Config,
     DevicePluginConfig,
     HealthConfig,
     load_config,
     parse_config,
+    unix_socket_path_problem,
 )
 from nri_accel.errors import ConfigError
 
@@ -94,13 +97,15 @@ def test_device_plugin_defaults() -> None:
         ({"nri": {"idx": "7"}}, "nri.idx: must be two digits"),
         ({"devices": {"hooks": "yes"}}, "devices.hooks: expected a boolean"),
         ({"devices": {"hook_path": "../hook"}}, "devices.hook_path"),
-        ({"discovery": {"refresh_interval": -1}}, "must be >= 0"),
+        ({"discovery": {"refresh_interval": -1}},
+         "discovery.refresh_interval: expected a number of seconds from 0 (off) up to"),
         ({"discovery": {"cdi_spec_dirs": ["cdi"]}}, "must be absolute"),
         ({"discovery": {"create_device_nodes": 1}},
          "discovery.create_device_nodes: expected a boolean"),
         ({"health": {"ignored_xids": [79, "48"]}}, "health.ignored_xids: expected an array"),
         ({"health": {"ignored_xids": [0]}}, "health.ignored_xids: expected an array"),
-        ({"health": {"recheck_interval": 0}}, "health.recheck_interval: must be > 0"),
+        ({"health": {"recheck_interval": 0}},
+         "health.recheck_interval: expected a number of seconds over 0"),
         ({"health": {"enable": True}}, "health.enable: unknown key"),
         ({"static": {"devices": [{"kind": "npu", "name": "x"}]}}, "static.devices[0].kind"),
         ({"static": {"devices": [{"kind": "a.b/c", "name": "x",
@@ -173,3 +178,67 @@ def test_shipped_example_config_is_valid() -> None:
     example = Path(__file__).resolve().parents[1] / "deploy" / "config.toml"
     assert load_config(str(example)) == Config(path=str(example))
 
+
+
+@pytest.mark.parametrize("key", ["discovery.refresh_interval", "health.recheck_interval"])
+@pytest.mark.parametrize("text", ["nan", "+nan", "inf", "-inf", "86401", "1e400",
+                                  "99999999999999999999"])
+def test_intervals_are_finite_and_bounded(tmp_path, key, text) -> None:
+    # asyncio.sleep(nan) never returns: `run` would log refresh_started and never refresh.
+    table, name = key.split(".")
+    p = tmp_path / "c.toml"
+    p.write_text(f"[{table}]\n{name} = {text}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(p))
+    assert str(err.value).startswith(f"{p}: {key}: expected a number of seconds")
+
+
+def test_intervals_at_their_bounds_are_accepted() -> None:
+    cfg = parse_config({"discovery": {"refresh_interval": MAX_INTERVAL},
+                        "health": {"recheck_interval": 0.001}})
+    assert (cfg.discovery.refresh_interval, cfg.health.recheck_interval) == (MAX_INTERVAL,
+                                                                               0.001)
+    assert parse_config({"discovery": {"refresh_interval": 0}}).discovery.refresh_interval == 0
+
+
+@pytest.mark.parametrize(("socket", "fragment"), [
+    ("", "nri.socket: is empty"),
+    ("nri.sock", "nri.socket: 'nri.sock' must be an absolute path"),
+    ("run/nri/nri.sock", "must be an absolute path"),
+    ("/" + "s" * UNIX_PATH_MAX, f"nri.socket: is {UNIX_PATH_MAX + 1} bytes long, over the "
+                                f"{UNIX_PATH_MAX}-byte limit"),
+])
+def test_the_nri_socket_must_be_an_absolute_unix_socket_path(socket, fragment) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config({"nri": {"socket": socket}}, path="/c.toml")
+    assert str(err.value).startswith("/c.toml: nri.socket: ")
+    assert fragment in str(err.value)
+    longest = "/" + "s" * (UNIX_PATH_MAX - 1)
+    assert parse_config({"nri": {"socket": longest}}).nri.socket == longest
+
+
+def test_unix_socket_path_problem_counts_bytes_not_characters() -> None:
+    assert unix_socket_path_problem("/run/nri/nri.sock") is None
+    assert unix_socket_path_problem("relative.sock") is None  # absolute is the caller's rule
+    assert unix_socket_path_problem("/" + "s" * (UNIX_PATH_MAX - 1)) is None
+    assert "108 bytes long" in unix_socket_path_problem("/" + "s" * UNIX_PATH_MAX)
+    assert "over the 107-byte limit" in unix_socket_path_problem("/" + "é" * 60)  # 121 bytes
+    assert "empty" in unix_socket_path_problem("")
+    assert "NUL" in unix_socket_path_problem("/run/a\x00b")
+
+
+def test_a_file_nested_too_deeply_is_an_error_naming_the_file(tmp_path) -> None:
+    # tomllib reads nested arrays recursively: 100,000 levels raise RecursionError.
+    p = tmp_path / "deep.toml"
+    p.write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(p))
+    assert str(err.value) == f"{p}: not readable TOML: arrays or tables nested too deeply"
+
+
+def test_a_file_that_is_not_utf8_is_an_error_naming_the_file(tmp_path) -> None:
+    p = tmp_path / "latin1.toml"
+    p.write_bytes('[policy]\nmode = "kubernetes" # \u00e9t\u00e9\n'.encode("latin-1"))
+    with pytest.raises(ConfigError) as err:
+        load_config(str(p))
+    assert str(err.value).startswith(f"{p}: not UTF-8 text (byte 0xe9 at offset 31)")

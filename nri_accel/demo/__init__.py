@@ -56,15 +56,11 @@ def main_demo(args: argparse.Namespace) -> int:
     from nri_accel import log
 
     log.configure(level="warning", fmt="console")
-    try:
-        import tempfile  # here: the CLI imports this module for NODES, `run` included
+    import tempfile  # here: the CLI imports this module for NODES, `run` included
 
-        with tempfile.TemporaryDirectory(prefix="nri-accel-demo-") as tmp:
-            return asyncio.run(_demo(Path(tmp), args.node, as_json=args.json))
-    except BrokenPipeError:
-        # `nri-accel demo | head`: the reader left; no traceback (and none at exit).
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+    # `nri-accel demo | head`: the reader leaving ends it quietly (cli.main)
+    with tempfile.TemporaryDirectory(prefix="nri-accel-demo-") as tmp:
+        return asyncio.run(_demo(Path(tmp), args.node, as_json=args.json))
 
 
 async def _demo(tmp: Path, name: str, *, as_json: bool) -> int:

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from nri_accel.app import DAEMON, App
-from nri_accel.config import Config
+from nri_accel.config import Config, unix_socket_path_problem
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
 from nri_accel.deviceplugin import deviceplugin_pb2_grpc as pb2_grpc
 from nri_accel.deviceplugin.resources import (
@@ -80,7 +80,7 @@ from nri_accel.health import HealthWatches
 from nri_accel.inventory import Inventory
 from nri_accel.log import get_logger
 from nri_accel.metrics import DEVICE_PLUGIN_EVENTS, ERROR, OK, REFUSED, RequestRecorder
-from nri_accel.state import NriStatus
+from nri_accel.state import NriStatus, prepare_state_dir, state_dir_source
 
 if TYPE_CHECKING:  # importing nri_accel.discover would load every discoverer
     from nri_accel.discover.hostroot import HostRoot
@@ -89,7 +89,6 @@ if TYPE_CHECKING:  # importing nri_accel.discover would load every discoverer
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
-_SUN_PATH_MAX = 107  # bytes of a unix socket path, without the terminating NUL
 _MAX_RETRY_DELAY = 30.0  # seconds between registration attempts at most
 # pre_start_required: kubelet calls PreStartContainer before each container start,
 # where the plugin fails closed once more (see the module docstring).
@@ -232,9 +231,9 @@ class _Endpoint:
         self._closed = False
 
     async def start(self) -> None:
-        if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
-            raise ConfigError(f"socket path {self.path!r} is longer than {_SUN_PATH_MAX} "
-                              "bytes, the limit of a unix socket", source="--kubelet-dir")
+        why = unix_socket_path_problem(self.path)
+        if why is not None:
+            raise ConfigError(f"socket path {self.path!r} {why}", source="--kubelet-dir")
         st = None
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(self.path)
@@ -349,6 +348,7 @@ class DevicePlugins:
         self._lock = asyncio.Lock()
         self._unhealthy: dict[str, Mapping[str, str]] = {}  # family -> key -> reason
         self._nri_why = "not checked yet"  # why the NRI side is not usable ("": it is)
+        self._nri_checked = False  # check_nri() has logged the NRI side's state
         self._started = False
 
     @property
@@ -362,10 +362,12 @@ class DevicePlugins:
 
     def check_nri(self) -> str:
         """Read the NRI side's record now: why it is not usable, "" when it is. A change
-        is applied to every resource at once."""
+        between usable and not is applied to every resource at once, and logged: one
+        line when an outage starts (its reason then: the reason's text changes during
+        one, "stopped updating its state 10 s ago", "11 s ago"), one when it ends."""
         status = NriStatus.load(self._state_dir)
         why = status.why_not() if not status.usable() else ""
-        if why != self._nri_why:
+        if not self._nri_checked or bool(why) != bool(self._nri_why):
             if why:
                 log.warning("nri_plugin_unavailable", reason=why, state_dir=self._state_dir,
                             effect="every device Unhealthy; Allocate and PreStartContainer "
@@ -373,9 +375,9 @@ class DevicePlugins:
             else:
                 log.info("nri_plugin_available", plugin=status.plugin, runtime=status.runtime,
                          pid=status.pid)
-            self._nri_why = why
             for ep in self._endpoints.values():
                 ep.set_closed(bool(why))
+        self._nri_why, self._nri_checked = why, True
         return why
 
     def registered(self) -> dict[str, bool]:
@@ -607,6 +609,9 @@ def main_device_plugin(args: argparse.Namespace) -> int:
     SIGINT, then returns 0."""
     app = App.from_args(args, mode=DAEMON)
     try:
+        # absent is fine (`run` creates it); a file there would fail closed forever
+        prepare_state_dir(app.config.state_dir, create=False,
+                          source=state_dir_source(args.state_dir, app.config.path))
         inventory = app.load_inventory()
         return asyncio.run(_main(app, inventory, args.kubelet_dir))
     finally:

@@ -15,8 +15,11 @@ which `--inventory FILE` reads back.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import stat
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from nri_accel.app import REPORT, App
@@ -136,7 +139,9 @@ def main_cdi_generate(args: argparse.Namespace) -> int:
     Without --output, every spec goes to stdout as YAML documents. With a directory
     (e.g. /var/run/cdi, which outranks /etc/cdi), one file per device kind named as
     CDI's own tools name them (vendor-class.yaml). With a file, the inventory must hold
-    a single kind. Files are replaced atomically.
+    a single kind. Files are replaced atomically (a temporary file in the same directory,
+    renamed over it); a symlink is followed and its target replaced, and anything but a
+    regular file (a FIFO, a device node, a socket) is refused before any spec is written.
     """
     inventory = App.from_args(args, mode=REPORT).load_inventory()
     specs = generate_specs(inventory)
@@ -147,15 +152,26 @@ def main_cdi_generate(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write("---\n".join(render_spec(s) for s in specs))
         return 0
-    if os.path.isdir(args.output):
-        targets = [(os.path.join(args.output, spec_file_name(s["kind"])), s) for s in specs]
+    output = _target(args.output)
+    found = _stat(output, args.output)
+    if found is not None and stat.S_ISDIR(found.st_mode):
+        targets = [(_target(os.path.join(output, spec_file_name(s["kind"]))), s)
+                   for s in specs]
+        expected = "a regular file"
     elif len(specs) == 1:
-        targets = [(args.output, specs[0])]
+        targets = [(output, specs[0])]
+        expected = "a regular file or a directory"
     else:
         kinds = ", ".join(s["kind"] for s in specs)
         raise ConfigError(f"the inventory has {len(specs)} device kinds ({kinds}) and a CDI "
                           "spec holds one: give a directory to write one spec per kind",
                           source="--output")
+    for path, _ in targets:
+        found = _stat(path, args.output)
+        if found is not None and not stat.S_ISREG(found.st_mode):
+            what = "" if path == args.output else f"{path} "  # a symlink's target
+            raise ConfigError(f"{what}is {_file_type(found.st_mode)}, not {expected}: "
+                              "not replaced", source=f"--output {args.output}")
     for path, spec in targets:
         _write_atomically(path, render_spec(spec))
         print(f"wrote {path} ({spec['kind']}, {len(spec['devices'])} devices, "
@@ -163,14 +179,44 @@ def main_cdi_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
+def _target(path: str) -> str:
+    """The file that writing `path` replaces: the target of a symlink (through every
+    link), else `path` itself."""
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
+def _stat(path: str, output: str) -> os.stat_result | None:
+    """What is at `path` (None: nothing); an error names --output."""
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP, EACCES on a directory above, ENOTDIR, ...
+        raise ConfigError(f"{path}: {e.strerror or e}", source=f"--output {output}") from e
+
+
+def _file_type(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Replace `path` by a file holding `text`: written to a new temporary file in the
+    same directory (O_EXCL: never a file someone else prepared), synced, renamed."""
+    directory, name = os.path.split(path)
+    tmp = ""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory or ".")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, 0o644)
+            f.flush()
+            os.fchmod(f.fileno(), 0o644)
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise NriAccelError(f"cannot write: {e.strerror or e}", source=path) from e

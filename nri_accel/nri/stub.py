@@ -64,6 +64,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, NoReturn
@@ -71,10 +72,11 @@ from typing import Any, NoReturn
 from google.protobuf.message import DecodeError
 from msgspec import Struct
 
+from nri_accel.errors import ConfigError
 from nri_accel.log import get_logger
 from nri_accel.nri import DEFAULT_SOCKET
 from nri_accel.nri import nri_pb2 as pb
-from nri_accel.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxProtocol
+from nri_accel.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxError, MuxProtocol
 from nri_accel.ttrpc import CallContext, Code, Endpoint, TtrpcError
 
 PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
@@ -144,14 +146,13 @@ NOTIFICATIONS = frozenset({
 })
 
 
-class StubConfigError(ValueError):
+class StubConfigError(ConfigError):
     """An invalid plugin identity, inherited fd or plugin object; `source` names the
-    flag, variable or setting it came from."""
+    flag, variable or setting it came from. A ConfigError: the command fails with
+    exit status 2 and the message."""
 
     def __init__(self, message: str, *, source: str) -> None:
-        self.message = message
-        self.source = source
-        super().__init__(f"{source}: {message}")
+        super().__init__(message, source=source)
 
 
 def event_bit(event: int) -> int:
@@ -232,8 +233,11 @@ class Stub:
     run() serves until stop() (or SIGTERM/SIGINT when install_signal_handlers() was
     called). External mode: connect to `socket_path`; whenever the runtime is absent
     or goes away, retry with exponential backoff (BACKOFF_MIN .. BACKOFF_MAX) and
-    register again; never returns on its own. Pre-registered mode (`fd` given, or
-    env NRI_PLUGIN_SOCKET): use that inherited socket and return when it closes. The
+    register again, logging one runtime_unavailable line per outage; never returns on
+    its own. `last_failure` says why the latest try failed to register (the peer
+    closed the connection, sent bytes that are not NRI, refused, did not answer).
+    Pre-registered mode (`fd` given, or env NRI_PLUGIN_SOCKET, checked by
+    inherited_fd()): use that inherited socket and return when it closes. The
     runtime launches /opt/nri/plugins/NN-name once, when it starts (pkg/adaptation
     startPlugins), with only NRI_PLUGIN_NAME, NRI_PLUGIN_IDX and NRI_PLUGIN_SOCKET=3
     in the environment, no arguments and stdio on /dev/null; it never relaunches a
@@ -255,6 +259,7 @@ class Stub:
         self.runtime = RuntimeInfo()
         self.events = 0  # mask the runtime was sent, once configured
         self.registrations = 0  # successful registrations so far
+        self.last_failure = ""  # why the latest connection failed to register ("": none)
         self._handlers = _find_handlers(plugin)
         self._decoders: Mapping[str, Callable[[bytes], Any]] = getattr(
             plugin, "request_decoders", {})
@@ -277,14 +282,24 @@ class Stub:
 
     @classmethod
     def inherited_fd(cls, env: Mapping[str, str] | None = None) -> int | None:
-        """The fd of a pre-registered launch (env NRI_PLUGIN_SOCKET), else None."""
+        """The fd of a pre-registered launch (env NRI_PLUGIN_SOCKET), else None.
+
+        Checked before anything uses it: a number, an open fd, a connected unix stream
+        socket (the runtime hands over one end of a socketpair). Anything else raises
+        StubConfigError saying what the fd is instead."""
         value = (os.environ if env is None else env).get(ENV_PLUGIN_SOCKET, "")
         if not value:
             return None
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):
             raise StubConfigError(f"not a file descriptor number: {value!r}",
                                   source=ENV_PLUGIN_SOCKET)
-        return int(value)
+        fd = int(value)
+        why = _not_a_runtime_connection(fd)
+        if why:
+            raise StubConfigError(f"fd {fd} {why}: the container runtime launches a "
+                                  "pre-registered plugin with its NRI connection there",
+                                  source=ENV_PLUGIN_SOCKET)
+        return fd
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop run() cleanly (it then returns 0); SIGUSR1 logs the
@@ -340,28 +355,34 @@ class Stub:
     async def _serve(self) -> int:
         if self.fd is None:
             await self._reconnect_loop()
-        sock = socket.socket(fileno=self.fd)
         try:
-            await self._session(sock=sock)
+            await self._session(sock=socket.socket(fileno=self.fd))
         except (OSError, TtrpcError, TimeoutError) as exc:
-            log.error("registration_failed", error=_describe(exc))
+            self.last_failure = _describe(exc)
+            log.error("registration_failed", error=self.last_failure)
             return 1
         return 0
 
     async def _reconnect_loop(self) -> NoReturn:
+        """Connect and register, again and again. One line per outage, not one per
+        retry, whatever each retry's error (a listener that accepts and closes gives
+        "Broken pipe" and "Connection reset" by turns): runtime_unavailable with the
+        first error; the outage ends with the next `registered` line."""
         delays = backoff_delays()
-        reported = ""
+        reported = False
         while True:
             try:
                 await self._session(path=self.socket_path)
             except (OSError, TtrpcError, TimeoutError) as exc:
-                why = _describe(exc)
-                if why != reported:  # one line per outage, not one per retry
+                why = self.last_failure = _describe(exc)
+                if not reported:
                     log.warning("runtime_unavailable", socket=self.socket_path, error=why,
                                 retry_max_s=BACKOFF_MAX)
-                    reported = why
+                    reported = True
+                else:
+                    log.debug("runtime_still_unavailable", socket=self.socket_path, error=why)
             else:  # it registered and served until the runtime went away
-                delays, reported = backoff_delays(), ""
+                delays, reported = backoff_delays(), False
             await asyncio.sleep(next(delays))
 
     async def _session(self, *, path: str | None = None, sock: socket.socket | None = None) -> None:
@@ -386,8 +407,14 @@ class Stub:
         else:
             await loop.create_unix_connection(lambda: mux, path)
         try:
-            await self._register(runtime_ep, mux)
+            try:
+                await self._register(runtime_ep, mux)
+            except TtrpcError as exc:  # UNAVAILABLE when the socket ended: say how
+                if exc.code != Code.UNAVAILABLE or not mux.lost.done():
+                    raise
+                raise _lost(mux.lost.result(), "before answering RegisterPlugin") from exc
             self.registrations += 1
+            self.last_failure = ""
             self.registered.set()
             log.info("registered", plugin=self.identity.full_name, runtime=self.runtime.name,
                      runtime_version=self.runtime.version,
@@ -427,7 +454,7 @@ class Stub:
             self._configured.result()
             return
         if mux.lost in done:
-            raise ConnectionResetError("runtime closed the connection before Configure")
+            raise _lost(mux.lost.result(), "before Configure")
         raise TimeoutError(f"no Configure from the runtime within {timeout:g} s of registering")
 
     # ---- the Plugin service ---------------------------------------------------------
@@ -774,6 +801,46 @@ def _as_ttrpc_error(exc: Exception, what: str) -> TtrpcError:
         log.error("handler_failed", rpc=what, exc_info=exc)
         code = Code.UNKNOWN
     return TtrpcError(code, str(exc) or type(exc).__name__)
+
+
+_FILE_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISFIFO, "a pipe"), (stat.S_ISDIR, "a directory"))
+
+
+def _lost(error: Exception | None, when: str) -> ConnectionError:
+    """The error of a connection that ended `when` (before registering completed), saying
+    what the peer did: sent bytes that break NRI's framing (the multiplexer's: what
+    listens there is not an NRI runtime), or closed it."""
+    if isinstance(error, MuxError):
+        return ConnectionAbortedError(
+            f"the peer sent bytes that are not NRI ({error}) {when}")
+    how = f" ({_describe(error)})" if error is not None else ""
+    return ConnectionResetError(f"the peer closed the connection {when}{how}")
+
+
+def _not_a_runtime_connection(fd: int) -> str:
+    """What keeps `fd` from being the runtime's connection ("" when nothing does)."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as e:
+        return f"is not open ({e.strerror})"
+    if not stat.S_ISSOCK(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "something else")
+        return f"is {kind}, not a socket"
+    sock = socket.socket(fileno=fd)  # reads the fd's family and type; detached below
+    try:
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+            family, kind = (getattr(v, "name", v) for v in (sock.family, sock.type))
+            return f"is a {family} {kind} socket, not a unix stream socket"
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return "is a listening socket, not a connection"
+        try:
+            sock.getpeername()
+        except OSError as e:
+            return f"is a unix socket that is not connected ({e.strerror})"
+    finally:
+        sock.detach()
+    return ""
 
 
 def _describe(exc: BaseException) -> str:

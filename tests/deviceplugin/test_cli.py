@@ -114,6 +114,22 @@ def test_a_missing_kubelet_directory_is_a_configuration_error(tmp_path: Path) ->
     assert f"--kubelet-dir: {tmp_path / 'nope'} is not a directory" in err
 
 
+def test_a_state_dir_that_is_a_file_is_a_configuration_error(tmp_path: Path) -> None:
+    # Absent is fine (`run` creates it); a file there would fail closed forever, each
+    # poll reading "no `nri-accel run` has recorded its state".
+    inventory = tmp_path / "node.json"
+    inventory.write_text(node_inventory().to_json())
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    blocker = tmp_path / "state"
+    blocker.write_text("")
+    dp = _DevicePlugin("--kubelet-dir", str(tmp_path), "--inventory", str(inventory),
+                       "--config", str(config), "--state-dir", str(blocker))
+    _, err = dp.proc.communicate(timeout=WAIT)
+    assert dp.proc.returncode == 2
+    assert f"nri-accel: --state-dir: {blocker} is not a directory" in err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
+from nri_accel import state
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
+from nri_accel.deviceplugin.server import DevicePlugins
+from nri_accel.state import NriStatus
 
 from .conftest import (
     GPU0,
     GPU2,
     MIG_A,
+    NODE_CONFIG,
     allocate,
     health,
+    node_inventory,
     pre_start,
     refused,
 )
@@ -103,3 +109,33 @@ def test_after_a_kubelet_restart_the_new_stream_still_fails_closed(
     kubelet.wait_list(again, all_unhealthy, "every GPU Unhealthy on the new stream")
     nri_side.register()
     assert health(kubelet.wait_list(again, gpu0_healthy)) == HEALTHY_AGAIN
+
+
+def test_one_line_when_an_outage_starts_and_one_when_it_ends(tmp_path, monkeypatch,
+                                                             all_logs) -> None:
+    # The record of a stopped `run` says "stopped updating its state N s ago", N growing
+    # at every poll: a line per changed text was a line a second for as long as it lasted.
+    clock = [1000.0]
+    monkeypatch.setattr(state, "boottime", lambda: clock[0])
+    nri = str(tmp_path / "state")
+    NriStatus(True, "containerd v2.1.9", "40-nri-accel", 4242, 900.0).save(nri)
+    plugins = DevicePlugins(node_inventory(), str(tmp_path), config=NODE_CONFIG,
+                            state_dir=nri)
+    with capture_logs() as logs:
+        reasons = []
+        for _ in range(5):  # five polls a second apart
+            reasons.append(plugins.check_nri())
+            clock[0] += 1
+        NriStatus(True, "containerd v2.1.9", "40-nri-accel", 4243, clock[0]).save(nri)
+        assert plugins.check_nri() == ""
+        assert plugins.check_nri() == ""
+        NriStatus(False, "", "40-nri-accel", 4243, clock[0]).save(nri)
+        assert plugins.check_nri() and plugins.check_nri()
+    assert len(set(reasons)) == 5  # each poll's reason is today's (Allocate quotes it)
+    assert [(e["event"], e.get("reason", "")) for e in logs] == [
+        ("nri_plugin_unavailable",
+         "`nri-accel run` (pid 4242) stopped updating its state 100 s ago"),
+        ("nri_plugin_available", ""),
+        ("nri_plugin_unavailable",
+         "`nri-accel run` is not registered with the container runtime"),
+    ]

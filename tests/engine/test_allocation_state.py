@@ -14,12 +14,20 @@ from pathlib import Path
 import msgspec
 import pytest
 from engine_testing import admit, allocated, container, demo_inventory, held, kubernetes, standalone
+from structlog.testing import capture_logs
 
 from nri_accel.config import Config, DevicesConfig, PolicyConfig
 from nri_accel.engine import Engine
-from nri_accel.errors import AllocationError, StateError
+from nri_accel.errors import AllocationError, ConfigError, StateError
 from nri_accel.inventory import Inventory
-from nri_accel.state import CHECKPOINT_FILE, Checkpoint, Grant, Holdings
+from nri_accel.state import (
+    CHECKPOINT_FILE,
+    UNREADABLE_SUFFIX,
+    Checkpoint,
+    Grant,
+    Holdings,
+    prepare_state_dir,
+)
 from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG
 
 BOOT = "6b8a1d1e-0000-4000-8000-000000000001"
@@ -232,6 +240,55 @@ def test_an_unreadable_checkpoint_leaves_counts_refused_until_synchronize(tmp_pa
     assert admit(engine, allocated("nvidia.com/gpu=2", cid="named")).devices  # still served
     engine.restore_grants([])  # the runtime's view: nothing else runs
     assert admit(engine, allocated("nvidia.com/gpu: 1", cid="a")).devices
+
+
+def test_an_unreadable_checkpoint_is_kept_aside_and_only_the_latest(tmp_path: Path):
+    # "Bad input loses nothing": the file `run` could not read is renamed out of the way
+    # of the one it writes next, not overwritten; a later one replaces it (bounded).
+    state = tmp_path / "state"
+    state.mkdir()
+    kept = state / (CHECKPOINT_FILE + UNREADABLE_SUFFIX)
+    for content in ('{"version":1,', '{"version": 99, "grants": []}'):
+        (state / CHECKPOINT_FILE).write_text(content)
+        checkpoint = _checkpoint(tmp_path)
+        with capture_logs() as logs:
+            assert checkpoint.load() == ([], False)
+        assert kept.read_text() == content
+        assert not (state / CHECKPOINT_FILE).exists()
+        (line,) = logs
+        assert (line["event"], line["path"], line["kept"]) == (
+            "checkpoint_unreadable", checkpoint.path, str(kept))
+        holdings = Holdings(known=False)
+        checkpoint.save(holdings.to_json(BOOT))  # what `run` writes next
+    assert sorted(p.name for p in state.iterdir()) == [CHECKPOINT_FILE, kept.name]
+    assert kept.read_text() == '{"version": 99, "grants": []}'
+    assert _checkpoint(tmp_path).load() == ([], False)  # what it wrote keeps "not known"
+
+
+def test_a_checkpoint_that_cannot_be_set_aside_is_logged_so(tmp_path: Path):
+    state = tmp_path / "state"
+    (state / CHECKPOINT_FILE).mkdir(parents=True)  # unreadable: a directory
+    (state / CHECKPOINT_FILE / "x").write_text("")
+    (state / (CHECKPOINT_FILE + UNREADABLE_SUFFIX)).write_text("older")
+    with capture_logs() as logs:
+        assert _checkpoint(tmp_path).load() == ([], False)
+    (line,) = logs
+    assert line["kept"] is None and line["keep_error"] and line["error"]
+
+
+@pytest.mark.parametrize("create", [True, False])
+def test_a_state_dir_must_be_a_directory(tmp_path: Path, create: bool):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    with pytest.raises(ConfigError) as e:
+        prepare_state_dir(str(blocker), source="--state-dir", create=create)
+    assert str(e.value).startswith(f"--state-dir: {blocker} is not a directory")
+    if create:
+        with pytest.raises(ConfigError, match="cannot create the state directory"):
+            prepare_state_dir(str(blocker / "sub"), source="--state-dir")
+    absent = tmp_path / "a" / "b"
+    prepare_state_dir(str(absent), source="--state-dir", create=create)
+    assert absent.is_dir() is create  # `run` creates it; `device-plugin` waits for run
 
 
 def test_the_checkpoint_file_is_replaced_whole(tmp_path: Path):

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import structlog.testing
 
-from nri_accel.errors import PolicyError, RequestError
+from nri_accel.errors import ConfigError, PolicyError, RequestError
 from nri_accel.inventory import ContainerEdits, DeviceNode
 from nri_accel.nri import adjust
 from nri_accel.nri import nri_pb2 as pb
@@ -136,9 +139,95 @@ def test_reconnect_backoff_doubles_and_stays_within_a_second() -> None:
 
 def test_inherited_fd_comes_from_the_environment() -> None:
     assert Stub.inherited_fd({}) is None
-    assert Stub.inherited_fd({"NRI_PLUGIN_SOCKET": "3"}) == 3
+    plugin_end, runtime_end = socket.socketpair()  # what the runtime hands over
+    with plugin_end, runtime_end:
+        fd = plugin_end.fileno()
+        assert Stub.inherited_fd({"NRI_PLUGIN_SOCKET": str(fd)}) == fd
+        plugin_end.sendall(b"still open")  # the check leaves the connection as it was
+        assert runtime_end.recv(16) == b"still open"
     with pytest.raises(StubConfigError, match="NRI_PLUGIN_SOCKET"):
         Stub.inherited_fd({"NRI_PLUGIN_SOCKET": "three"})
+
+
+@contextlib.contextmanager
+def _fd_of(kind: str, tmp_path: Any) -> Any:
+    """An open fd that is not the runtime's connection, of the given kind."""
+    with contextlib.ExitStack() as stack:
+        if kind == "closed":
+            r, w = os.pipe()
+            os.close(r)
+            os.close(w)
+            yield r
+        elif kind == "file":
+            f = stack.enter_context(open(tmp_path / "f", "wb"))
+            yield f.fileno()
+        elif kind == "pipe":
+            r, w = os.pipe()
+            stack.callback(os.close, r)
+            stack.callback(os.close, w)
+            yield r
+        else:
+            family, type_ = ((socket.AF_INET, socket.SOCK_DGRAM) if kind == "udp"
+                             else (socket.AF_UNIX, socket.SOCK_STREAM))
+            s = stack.enter_context(socket.socket(family, type_))
+            if kind == "listening":
+                s.bind(str(tmp_path / "l.sock"))
+                s.listen()
+            yield s.fileno()
+
+
+@pytest.mark.parametrize(("kind", "why"), [
+    ("closed", "is not open (Bad file descriptor)"),
+    ("file", "is a regular file, not a socket"),
+    ("pipe", "is a pipe, not a socket"),
+    ("udp", "is a AF_INET SOCK_DGRAM socket, not a unix stream socket"),
+    ("listening", "is a listening socket, not a connection"),
+    ("unconnected", "is a unix socket that is not connected"),
+])
+def test_an_inherited_fd_that_is_not_a_connection_is_a_config_error(kind, why, tmp_path):
+    # NRI_PLUGIN_SOCKET=0 (stdin) or a closed fd once ended in an OSError traceback
+    # ("Socket operation on non-socket", "Bad file descriptor") out of run().
+    with _fd_of(kind, tmp_path) as fd:
+        with pytest.raises(ConfigError) as info:
+            Stub.inherited_fd({"NRI_PLUGIN_SOCKET": str(fd)})
+        if kind != "closed":
+            os.fstat(fd)  # still open: the check closes nothing
+    assert info.value.source == "NRI_PLUGIN_SOCKET"
+    assert str(info.value).startswith(f"NRI_PLUGIN_SOCKET: fd {fd} {why}")
+    assert isinstance(info.value, StubConfigError)
+
+
+async def test_one_runtime_unavailable_line_per_outage_whatever_the_error(
+        sock_path: str, all_logs: None) -> None:
+    # Something on the socket that is not a runtime: a listener that accepts and closes
+    # each connection fails the retries with "Broken pipe" or "Connection reset" by
+    # turns, and each change of text once made a new warning line. Here every other
+    # connection gets bytes that are not NRI, so the text changes at every retry.
+    accepted = 0
+
+    async def close_at_once(reader: Any, writer: Any) -> None:
+        nonlocal accepted
+        accepted += 1
+        if accepted % 2:
+            writer.write(b"\xff" * 64)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(close_at_once, sock_path)
+    async with server:
+        stub = Stub(Injector(), Identity("injector", "30"), socket_path=sock_path)
+        with structlog.testing.capture_logs() as logs:
+            task = asyncio.get_running_loop().create_task(stub.run())
+            deadline = time.monotonic() + 10
+            while accepted < 6 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            stub.stop()
+            assert await asyncio.wait_for(task, 10) == 0
+    assert accepted >= 6
+    warnings = [e for e in logs if e["event"] == "runtime_unavailable"]
+    assert len(warnings) == 1, warnings
+    retries = [e["error"] for e in logs if e["event"] == "runtime_still_unavailable"]
+    assert len(retries) >= 4 and len({warnings[0]["error"], *retries}) >= 2
 
 
 # ---- against the simulator -------------------------------------------------------------

@@ -103,7 +103,7 @@ async def test_an_unreadable_checkpoint_stays_unknown_across_restarts_until_sync
         tmp_path: Path):
     # Seen against containerd 1.7.24 (tests/e2e): it never synchronises a plugin it
     # launches, so nothing but the checkpoint says what runs. Each start of `run` writes
-    # the checkpoint before it serves (as _serve does); that write must keep "not known",
+    # the checkpoint before it serves (as plugin._run does); that write must keep "not known",
     # or the next restart reads "nothing held" and a count takes a held GPU.
     (tmp_path / CHECKPOINT_FILE).write_text("{garbage")
     pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 1"}})
