@@ -11,8 +11,20 @@ Every path in it is a host path found by discovery, never a user-supplied value.
 
 JSON form (schema_version 1) is what `discover --json` prints and `--inventory FILE`
 reads: keys are snake_case field names, empty/None fields are omitted, lists keep
-their (already deterministic) order. Loading validates types and rejects unknown
-schema versions with an InventoryError naming the JSON path.
+their (already deterministic) order. Loading refuses, with an InventoryError whose
+source is the file (or the origin given) and whose message starts with the JSON path
+(`devices[1].uuid: ...`):
+- a file over MAX_INVENTORY_BYTES, bytes that are not UTF-8, text that is not JSON;
+- an unknown schema version, an unknown key, a value of the wrong type;
+- a device with no kind ("vendor/class", KIND_RE) or no name, a device node whose
+  major or minor Linux could not have made, a PCI bus id that is not one, a driver
+  with no vendor or the vendor of another;
+- two devices sharing an identity, which could not be served safely (the same device
+  granted twice, a request meaning another device than it names): a UUID (across
+  kinds: it names one piece of hardware), an id within a kind (name, UUID or alias,
+  as Inventory.find compares them), or a PCI bus id within a kind that one of them
+  answers to. Devices may share a PCI function none of them answers to, as discovery
+  makes them: the MIG devices of a GPU, the compute partitions of an AMD GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from types import MappingProxyType
@@ -32,6 +44,20 @@ from msgspec import NODEFAULT, Struct, structs
 from nri_accel.errors import InventoryError
 
 SCHEMA_VERSION = 1
+
+# The largest inventory file `Inventory.load` reads (`--pod` takes 4 MiB). Chosen from
+# what real nodes write: about 1 to 2 KB a device plus the drivers' edits (tens of KB):
+# the fake 8-GPU A100 node with 7 MIG devices is 53 KB, the 4-GPU H100 27 KB, the trn1
+# (16 Neuron devices, 32 cores) 26 KB; the largest nodes (16 GPUs with 7 MIG devices
+# each, a trn2 with 128 NeuronCores) hold a few hundred devices, under 1 MB. 16 MiB is
+# about 25,000 devices, which loads in about 1 s and 130 MB of memory; anything larger
+# is not a node's inventory.
+MAX_INVENTORY_BYTES = 16 * 1024 * 1024
+
+# Device numbers Linux can make (include/linux/kdev_t.h: a 32-bit dev_t, 20 bits of
+# minor): a node outside them is not one lstat could have found.
+MAX_MAJOR = (1 << 12) - 1
+MAX_MINOR = (1 << 20) - 1
 
 # Device kinds known to nri-accel's own discoverers; CDI brings any "vendor/class".
 KIND_GPU = "nvidia.com/gpu"
@@ -315,22 +341,27 @@ class Inventory:
 
     @classmethod
     def from_dict(cls, data: Any, *, origin: str = "inventory") -> Inventory:
-        if not isinstance(data, dict):
-            raise InventoryError("top level must be a JSON object", source=origin)
-        version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise InventoryError(
-                f"unsupported schema_version {version!r} (this build reads {SCHEMA_VERSION})",
-                source=origin,
-            )
+        """The inventory a JSON document describes, checked as the module docstring
+        says. Raises InventoryError (source `origin`, message led by the JSON path)."""
         try:
-            drivers = [_decode(Driver, d, f"{origin}.drivers[{i}]")
-                       for i, d in enumerate(data.get("drivers", []))]
-            devices = [_decode(Device, d, f"{origin}.devices[{i}]")
-                       for i, d in enumerate(data.get("devices", []))]
-            problems = [_decode(Problem, d, f"{origin}.problems[{i}]")
-                        for i, d in enumerate(data.get("problems", []))]
-        except (TypeError, ValueError, AttributeError) as e:
+            if not isinstance(data, dict):
+                raise ValueError(f"top level: expected an object, got {_json_type(data)}")
+            for key in data:
+                if key not in _TOP_LEVEL:
+                    raise ValueError(f"top level: unknown field {key!r}")
+            version = data.get("schema_version")
+            if version != SCHEMA_VERSION or isinstance(version, bool):
+                raise ValueError(f"schema_version: unsupported version {version!r} "
+                                 f"(this build reads {SCHEMA_VERSION})")
+            drivers = [_decode(Driver, d, f"drivers[{i}]")
+                       for i, d in enumerate(_list_at(data, "drivers"))]
+            devices = [_decode(Device, d, f"devices[{i}]")
+                       for i, d in enumerate(_list_at(data, "devices"))]
+            problems = [_decode(Problem, d, f"problems[{i}]")
+                        for i, d in enumerate(_list_at(data, "problems"))]
+            _check_drivers(drivers)
+            _check_identities(devices)
+        except ValueError as e:
             raise InventoryError(str(e), source=origin) from e
         return cls(
             devices=tuple(devices),
@@ -340,6 +371,7 @@ class Inventory:
 
     @classmethod
     def from_json(cls, text: str, *, origin: str = "inventory") -> Inventory:
+        """from_dict of the JSON `text`; InventoryError when it is not JSON."""
         try:
             data = json.loads(text)
         except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
@@ -350,12 +382,92 @@ class Inventory:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Inventory:
+        """from_json of the file at `path` (the source of every error), UTF-8 text of at
+        most MAX_INVENTORY_BYTES: a larger file is refused by its size, or once that
+        much is read from what has none (a pipe), never read whole."""
+        origin = os.fspath(path)
+        limit = f"larger than {MAX_INVENTORY_BYTES // (1024 * 1024)} MiB: not an inventory"
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size > MAX_INVENTORY_BYTES:
+                    raise InventoryError(limit, source=origin)
+                raw = f.read(MAX_INVENTORY_BYTES + 1)
         except OSError as e:
-            raise InventoryError(e.strerror or str(e), source=os.fspath(path)) from e
-        return cls.from_json(text, origin=os.fspath(path))
+            raise InventoryError(e.strerror or str(e), source=origin) from e
+        if len(raw) > MAX_INVENTORY_BYTES:
+            raise InventoryError(limit, source=origin)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InventoryError(f"not UTF-8 text: byte 0x{raw[e.start]:02x} at offset "
+                                 f"{e.start}", source=origin) from None
+        return cls.from_json(text, origin=origin)
+
+
+_TOP_LEVEL = ("schema_version", "drivers", "devices", "problems")
+
+
+def _list_at(data: dict[str, Any], key: str) -> list[Any]:
+    """The list at top-level `key` ([] when absent)."""
+    value = data.get(key, [])
+    if not isinstance(value, list):
+        raise ValueError(f"{key}: expected a list, got {_json_type(value)}")
+    return value
+
+
+def _check_drivers(drivers: Sequence[Driver]) -> None:
+    """One driver a vendor: a second would silently replace the first's edits."""
+    seen: dict[str, int] = {}
+    for i, d in enumerate(drivers):
+        if d.vendor in seen:
+            raise ValueError(f"drivers[{i}].vendor: {d.vendor!r} is already the vendor "
+                             f"of drivers[{seen[d.vendor]}]")
+        seen[d.vendor] = i
+
+
+def _check_identities(devices: Sequence[Device]) -> None:
+    """Refuse the second of two devices (in file order) that share an identity: a UUID
+    (any kind), an id within a kind (name, UUID, alias; case-insensitive, as
+    Inventory.find), or a PCI bus id within a kind (any padding or case) that either
+    answers to (its name, UUID or an alias). The message names the second device's
+    field by its JSON path and the device it collides with."""
+    uuids: dict[str, tuple[int, str]] = {}
+    ids: dict[tuple[str, str], tuple[int, str]] = {}
+    answered: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # PCI ids answered to
+    located: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # pci_bus_id fields
+
+    def clash(i: int, what: str, value: str, other: tuple[int, str]) -> ValueError:
+        j, other_what = other
+        return ValueError(f"devices[{i}].{what}: {value!r} is also devices[{j}].{other_what} "
+                          f"({devices[j].qualified_name}): two devices with one identity")
+
+    for i, d in enumerate(devices):
+        named = [("name", d.name), *((("uuid", d.uuid),) if d.uuid else ()),
+                 *((f"aliases[{k}]", a) for k, a in enumerate(d.aliases))]
+        if d.uuid:
+            other = uuids.get(d.uuid.lower())
+            if other is not None:
+                raise clash(i, "uuid", d.uuid, other)
+            uuids[d.uuid.lower()] = (i, "uuid")
+        for what, ident in named:
+            other = ids.setdefault((d.kind, ident.lower()), (i, what))
+            if other[0] != i:
+                raise clash(i, what, ident, other)
+        for what, ident in named:
+            bus = parse_pci_bus_id(ident)
+            if bus is None:
+                continue
+            for other in (answered.get((d.kind, bus)), located.get((d.kind, bus))):
+                if other is not None and other[0] != i:
+                    raise clash(i, what, ident, other)
+            answered.setdefault((d.kind, bus), (i, what))
+        if d.pci_bus_id:
+            bus = parse_pci_bus_id(d.pci_bus_id)
+            assert bus is not None  # _check_device refused any other
+            other = answered.get((d.kind, bus))
+            if other is not None and other[0] != i:
+                raise clash(i, "pci_bus_id", d.pci_bus_id, other)
+            located.setdefault((d.kind, bus), (i, "pci_bus_id"))
 
 
 @lru_cache(maxsize=8192)
@@ -415,9 +527,16 @@ def _encode(obj: Any) -> Any:
     return obj
 
 
+def _json_type(value: Any) -> str:
+    """What a decoded JSON value is, for messages ("null", "int", "list", "object")."""
+    return {type(None): "null", dict: "object"}.get(type(value), type(value).__name__)
+
+
 def _decode(cls: type, data: Any, where: str) -> Any:
+    """An instance of `cls` from the JSON object `data` at JSON path `where`, its
+    fields' types and _CHECKS checked (ValueError starting with the path)."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected an object, got {type(data).__name__}")
+        raise ValueError(f"{where}: expected an object, got {_json_type(data)}")
     hints = _FIELD_TYPES[cls]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
@@ -425,9 +544,13 @@ def _decode(cls: type, data: Any, where: str) -> Any:
             raise ValueError(f"{where}: unknown field {key!r}")
         kwargs[key] = _decode_value(hints[key], value, f"{where}.{key}")
     try:
-        return cls(**kwargs)
-    except TypeError as e:
+        obj = cls(**kwargs)
+    except TypeError as e:  # a required field missing
         raise ValueError(f"{where}: {e}") from e
+    check = _CHECKS.get(cls)
+    if check is not None:
+        check(obj, where)
+    return obj
 
 
 def _decode_value(spec: Any, value: Any, where: str) -> Any:
@@ -438,17 +561,17 @@ def _decode_value(spec: Any, value: Any, where: str) -> Any:
         if isinstance(value, bool) and bool not in inner:
             raise ValueError(f"{where}: expected {inner[0].__name__}, got bool")
         if not isinstance(value, inner):
-            raise ValueError(f"{where}: expected {inner[0].__name__}, got {type(value).__name__}")
+            raise ValueError(f"{where}: expected {inner[0].__name__}, got {_json_type(value)}")
         return value
     if kind == "tuple":
         if not isinstance(value, list):
-            raise ValueError(f"{where}: expected a list")
+            raise ValueError(f"{where}: expected a list, got {_json_type(value)}")
         return tuple(_decode_value(inner, v, f"{where}[{i}]") for i, v in enumerate(value))
     if kind == "object":
         return _decode(inner, value, where)
     if kind == "map":
         if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected an object")
+            raise ValueError(f"{where}: expected an object, got {_json_type(value)}")
         return MappingProxyType(
             {str(k): _decode_value(inner, v, f"{where}.{k}") for k, v in value.items()}
         )
@@ -476,6 +599,37 @@ _FIELD_TYPES: dict[type, dict[str, Any]] = {
              "capabilities": ("map", _EDITS)},
     Problem: {"source": _S, "message": _S},
 }
+
+
+def _check_node(node: DeviceNode, where: str) -> None:
+    for what, number, top in (("major", node.major, MAX_MAJOR), ("minor", node.minor, MAX_MINOR)):
+        if not 0 <= number <= top:
+            raise ValueError(f"{where}.{what}: {number} is not a device {what} "
+                             f"(0 to {top})")
+
+
+def _check_device(device: Device, where: str) -> None:
+    if not KIND_RE.fullmatch(device.kind):
+        raise ValueError(f"{where}.kind: {device.kind!r} is not a device kind "
+                         "(vendor/class, such as nvidia.com/gpu)")
+    if not device.name:
+        raise ValueError(f"{where}.name: empty: a device needs a name")
+    for k, alias in enumerate(device.aliases):
+        if not alias:
+            raise ValueError(f"{where}.aliases[{k}]: empty")
+    if device.pci_bus_id and parse_pci_bus_id(device.pci_bus_id) is None:
+        raise ValueError(f"{where}.pci_bus_id: {device.pci_bus_id!r} is not a PCI bus id "
+                         "(domain:bus:device.function, such as 0000:3b:00.0)")
+
+
+def _check_driver(driver: Driver, where: str) -> None:
+    if not driver.vendor:
+        raise ValueError(f"{where}.vendor: empty: a driver needs a vendor")
+
+
+# What loading checks of a decoded object beyond its fields' types (the module docstring).
+_CHECKS: dict[type, Any] = {DeviceNode: _check_node, Device: _check_device,
+                            Driver: _check_driver}
 
 
 @cache
