@@ -8,7 +8,8 @@ first at a glance, decode_create), the test of whether a container asks for anyt
 while its parts arrive (synced: SyncedPod, SyncedContainer), and the lean ContainerInfo
 of each live container of a Synchronize (live_containers), so that nothing outside
 nri_accel.nri reads a protobuf field.
-Imports msgspec, nri_accel.container and this package's nri_pb2 and nri_views_pb2; pure
+Imports msgspec, protobuf's unknown_fields, nri_accel.container and this package's
+nri_pb2 and nri_views_pb2; pure
 functions, no trust decision (the policy decides which annotations are a container's
 own).
 
@@ -27,6 +28,22 @@ decoded as the large view (is_large()), whose annotations are their map entries,
 read by large_container_info() a slice at a time, for a caller that gives the event
 loop a turn between slices.
 
+Synchronize: a runtime lists every pod and container of the node, split into parts of
+up to its 4 MiB message limit (containerd 2.x; a node of 60,000 containers: some 30
+full parts). protobuf decodes a map in time that grows faster than linearly with its
+entries (one C call, the GIL held: 16,000 keys 2-3 ms, 20,000 6-10 ms, 200,000 300-500
+ms), and a pod's or a container's annotations may fill a part. decode_synchronize()
+decodes a part of up to SYNC_MAP_BYTES (a small node's whole Synchronize) with its
+annotations as maps, as they are read; a larger one as the bare view, which skips
+every pod's and container's annotations undecoded (kept among its unknown fields): 1-6
+ms for the most 4 MiB can hold. synced() then looks for the keys it reads (the grant
+annotations) in each bare pod's and container's bytes, in C, and decodes the
+annotations of only the few where one appears: as a map up to SYNC_MAP_BYTES, beyond
+that as their entries (the large view's Annotation). A key absent from the bytes is
+absent from the map, so what synced() keeps is what the map would give. One
+difference, on bytes a runtime never writes: damage inside the annotations of a pod or
+container that holds none of the keys read goes unseen (the map view refuses the part).
+
 Names: containerd names a container from its CRI metadata; CRI-O names it from the
 `io.kubernetes.container.name` label, so a container created without kubelet's labels
 has no name in NRI (captured from CRI-O 1.36.3). Its CRI metadata name is then read
@@ -44,6 +61,7 @@ from operator import attrgetter, itemgetter, methodcaller
 from types import MappingProxyType
 from typing import Any
 
+from google.protobuf.unknown_fields import UnknownFieldSet
 from msgspec import Struct
 
 from nri_accel.container import ContainerInfo
@@ -56,9 +74,16 @@ LARGE_ENV = 1024
 """Entries from which an env is large (see the module docstring)."""
 LARGE_REQUEST = 64 * 1024
 """Bytes from which a CreateContainer is decoded as the large view (module docstring)."""
-LARGE_SLICE = 5_000
-"""Annotations, mounts or devices (env entries: twice as many) of a large view read in
-one step of large_container_info()."""
+LARGE_SLICE = 2_000
+"""Annotations, mounts, devices or env entries of a large view read in one step of
+large_container_info(): 1-2 ms of work where an entry takes 0.5-1 us (an annotation
+kept; an env entry starting with a searched prefix, found and tested in Python)."""
+SYNC_MAP_BYTES = 128 * 1024
+"""Bytes up to which a Synchronize part, and a pod or container of a larger part that
+carries a key synced() reads, is decoded with its annotations as maps (the module
+docstring): 128 KiB hold at most some 14,000 distinct keys (9 bytes an entry, the
+least a distinct key of 3 characters takes), whose map decodes in 2-3 ms, or 65,000
+entries of one key (0.3 us each: 2 ms)."""
 
 Pod = pb.PodSandbox | views.PodSandbox | views.LargePodSandbox
 Container = pb.Container | views.Container | views.GlanceContainer | views.LargeContainer
@@ -84,8 +109,27 @@ def decode_create(payload: bytes, asks: Callable[[Pod, Container], bool] | None 
     return views.CreateContainerRequest.FromString(payload)
 
 
+def decode_synchronize(payload: bytes) -> \
+        views.SynchronizeRequest | views.BareSynchronizeRequest:
+    """A Synchronize part's bytes as its view: up to SYNC_MAP_BYTES, with the pods' and
+    containers' annotations as maps; over that, the bare view, their annotations left
+    undecoded for synced() to look into (see the module docstring). Raises protobuf's
+    DecodeError."""
+    if len(payload) <= SYNC_MAP_BYTES:
+        return views.SynchronizeRequest.FromString(payload)
+    return views.BareSynchronizeRequest.FromString(payload)
+
+
+def is_bare(item: Any) -> bool:
+    """Whether a pod or container of a Synchronize comes in the bare view (its part was
+    over SYNC_MAP_BYTES): its annotations are read by synced() only."""
+    return type(item) in _BARE
+
+
+_BARE = (views.BarePodSandbox, views.BareSyncedContainer)
+
 REQUEST_DECODERS = {"CreateContainer": decode_create,
-                    "Synchronize": views.SynchronizeRequest.FromString,
+                    "Synchronize": decode_synchronize,
                     "StopContainer": views.StopContainerRequest.FromString,
                     "RemoveContainer": views.StopContainerRequest.FromString,
                     "StopPodSandbox": views.StopPodSandboxRequest.FromString,
@@ -95,7 +139,9 @@ REQUEST_DECODERS = {"CreateContainer": decode_create,
 that carry containers (the stub's `request_decoders`): as views of every field
 container_info(), container_name(), mention_test()'s tests and synced() read, and of
 the requests that end a container or a pod, their ids; no other field. (A plugin that
-answers a container asking nothing at a glance gives decode_create its test.)"""
+answers a container asking nothing at a glance gives decode_create its test.) The pods
+and containers of a Synchronize part over SYNC_MAP_BYTES come bare: read them with
+synced()."""
 
 
 def is_large(container: Container) -> bool:
@@ -121,7 +167,7 @@ def large_container_info(pod: views.LargePodSandbox, container: views.LargeConta
     twice, the later entry, as protobuf decodes a map), every device path and mount
     destination."""
     env: list[str] = []
-    for part in _slices(container.env, 2 * LARGE_SLICE):
+    for part in _slices(container.env, LARGE_SLICE):
         env += env_entries(part, env_scope)
         yield
     annotations: list[dict[str, str]] = []
@@ -343,8 +389,7 @@ class SyncedContainer(Struct, frozen=True):
 _NO_ANNOTATIONS: Mapping[str, str] = MappingProxyType({})
 
 
-def synced(pods: Iterable[Pod],
-           containers: Iterable[pb.Container | views.SyncedContainer],
+def synced(pods: Iterable[Any], containers: Iterable[Any],
            keys: Iterable[str], ids: Collection[str] | None = None,
            ) -> tuple[list[SyncedPod], list[SyncedContainer]]:
     """The pods and containers of (a part of) a Synchronize, each as the little
@@ -352,20 +397,69 @@ def synced(pods: Iterable[Pod],
     containers, when `ids` is given, only those that carry one of `keys` or whose id
     it lists. A runtime sends tens of thousands of containers over several requests:
     the protobuf messages (some 3 KB each, with their env, mounts and resources) are
-    not kept meanwhile, nor a container the caller has no use for."""
+    not kept meanwhile, nor a container the caller has no use for. The pods and
+    containers may be messages with their annotations (nri_pb2's, or a view's) or bare
+    (decode_synchronize(), is_bare()): of those, the annotations are decoded only where
+    the bytes hold one of `keys` (and, for a container with no name, CRI-O's metadata
+    annotation, read for its name)."""
     keys = tuple(keys)
     intern = sys.intern  # a pod's id and namespace recur in each of its containers
+    needles, nameless = _needles_of(keys), _needles_of((*keys, CRIO_METADATA))
 
-    def kept(annotations: Any) -> Mapping[str, str]:
+    def kept(item: Any, entries: Any, large: Any) -> Mapping[str, str]:
+        if type(item) in _BARE:
+            return _kept_bare(item, keys, needles, entries, large)
+        annotations = item.annotations
         return {k: annotations[k] for k in keys if k in annotations} or _NO_ANNOTATIONS
 
+    def named(c: Any) -> tuple[Any, str, Mapping[str, str]]:
+        if c.name or type(c) not in _BARE:
+            return c, container_name(c), kept(c, views.SyncedContainer,
+                                              views.LargeSyncedContainer)
+        # CRI-O names a container without kubelet's labels in an annotation only
+        read = _kept_bare(c, (*keys, CRIO_METADATA), nameless, views.SyncedContainer,
+                          views.LargeSyncedContainer)
+        return c, name_of("", read), {k: read[k] for k in keys if k in read} or \
+            _NO_ANNOTATIONS
+
+    read = map(named, containers)
     if ids is not None:
-        containers = [c for c in containers
-                      if c.id in ids or any(k in c.annotations for k in keys)]
+        read = (r for r in read if r[2] or r[0].id in ids)  # type: ignore[assignment]
     return ([SyncedPod(intern(p.id), intern(p.namespace), p.name, p.uid,
-                       kept(p.annotations)) for p in pods],
-            [SyncedContainer(c.id, intern(c.pod_sandbox_id), container_name(c), c.state,
-                             kept(c.annotations)) for c in containers])
+                       kept(p, views.PodSandbox, views.LargePodSandbox)) for p in pods],
+            [SyncedContainer(c.id, intern(c.pod_sandbox_id), name, c.state, annotations)
+             for c, name, annotations in read])
+
+
+@lru_cache(maxsize=16)
+def _needles_of(keys: tuple[str, ...]) -> tuple[bytes, ...]:
+    """What synced() looks for in a bare pod's or container's bytes: each of `keys`,
+    UTF-8 encoded, or their longest common start where that is 8 bytes or more
+    ("nri-accel.io/": one search for every grant annotation)."""
+    encoded = tuple(k.encode() for k in keys)
+    common = _common_start(list(keys)).encode() if keys else b""
+    return (common,) if len(common) >= 8 else encoded
+
+
+def _kept_bare(item: Any, keys: tuple[str, ...], needles: tuple[bytes, ...],
+               entries: Any, large: Any) -> Mapping[str, str]:
+    """Of a bare pod's or container's annotations, `keys`: none where no needle appears
+    in its bytes (its own fields and the undecoded annotations, serialised again in C);
+    else its annotations decoded, as a map (`entries`, the view with them as a map) up
+    to SYNC_MAP_BYTES, beyond that as entries (`large`), read as protobuf reads them
+    into a map: the last entry of a key wins, and an entry holding a field other than
+    key and value is set aside (see api/nri_views.proto)."""
+    raw = item.SerializeToString()
+    if not any(n in raw for n in needles):
+        return _NO_ANNOTATIONS
+    if len(raw) <= SYNC_MAP_BYTES:
+        annotations = entries.FromString(raw).annotations
+        return {k: annotations[k] for k in keys if k in annotations} or _NO_ANNOTATIONS
+    wanted, found = frozenset(keys), {}
+    for a in large.FromString(raw).annotations:
+        if a.key in wanted and not UnknownFieldSet(a):
+            found[a.key] = a.value
+    return {k: found[k] for k in keys if k in found} or _NO_ANNOTATIONS
 
 
 def live_containers(containers: Iterable[pb.Container | SyncedContainer],

@@ -51,6 +51,54 @@ class SynchronizeRequest(_message.Message):
     more: bool
     def __init__(self, pods: _Optional[_Iterable[_Union[PodSandbox, _Mapping]]] = ..., containers: _Optional[_Iterable[_Union[SyncedContainer, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
+class BareSynchronizeRequest(_message.Message):
+    __slots__ = ("pods", "containers", "more")
+    PODS_FIELD_NUMBER: _ClassVar[int]
+    CONTAINERS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    pods: _containers.RepeatedCompositeFieldContainer[BarePodSandbox]
+    containers: _containers.RepeatedCompositeFieldContainer[BareSyncedContainer]
+    more: bool
+    def __init__(self, pods: _Optional[_Iterable[_Union[BarePodSandbox, _Mapping]]] = ..., containers: _Optional[_Iterable[_Union[BareSyncedContainer, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class BarePodSandbox(_message.Message):
+    __slots__ = ("id", "name", "uid", "namespace")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    uid: str
+    namespace: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., uid: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class BareSyncedContainer(_message.Message):
+    __slots__ = ("id", "pod_sandbox_id", "name", "state")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    POD_SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    pod_sandbox_id: str
+    name: str
+    state: int
+    def __init__(self, id: _Optional[str] = ..., pod_sandbox_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[int] = ...) -> None: ...
+
+class LargeSyncedContainer(_message.Message):
+    __slots__ = ("id", "pod_sandbox_id", "name", "state", "annotations")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    POD_SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    pod_sandbox_id: str
+    name: str
+    state: int
+    annotations: _containers.RepeatedCompositeFieldContainer[Annotation]
+    def __init__(self, id: _Optional[str] = ..., pod_sandbox_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[int] = ..., annotations: _Optional[_Iterable[_Union[Annotation, _Mapping]]] = ...) -> None: ...
+
 class PodSandbox(_message.Message):
     __slots__ = ("id", "name", "uid", "namespace", "annotations")
     class AnnotationsEntry(_message.Message):

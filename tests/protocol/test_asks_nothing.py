@@ -43,7 +43,7 @@ UNRELATED_POD = {"kubernetes.io/config.seen": "2024-05-01T10:00:00Z",
 UNRELATED_ENV = ["PATH=/bin", "HOSTNAME=vm", "NVIDIA=1", "NVIDIA_VISIBLE_DEVICES",
                  "MY_NVIDIA_VISIBLE_DEVICES=all", "LD_LIBRARY_PATH=/opt/lib"]
 BIG = convert.LARGE_ENV + 100  # entries: the large-env path
-SLICE = convert.LARGE_SLICE  # annotations, mounts or devices read in one step (env: 2x)
+SLICE = convert.LARGE_SLICE  # annotations, mounts or devices or env entries read in one step
 
 
 def plugin(*trusted: str) -> AccelPlugin:
@@ -134,7 +134,7 @@ def gpus(encoded: bytes | None) -> list[str]:
 
 def test_a_huge_env_is_searched_in_parts_with_the_event_loop_free_between() -> None:
     # 2.5 parts of filler, then a request in the last: found, the loop free in between
-    env = [f"V{i}=x" for i in range(2 * SLICE * 5 // 2)] + ["NVIDIA_VISIBLE_DEVICES=0"]
+    env = [f"V{i}={i:032d}" for i in range(SLICE * 5 // 2)] + ["NVIDIA_VISIBLE_DEVICES=0"]
     pod = make_pod({"name": "p", "namespace": "ml"})
     result, turns = served_large(plugin("ml"), pod, make_container(pod, {"name": "main",
                                                                          "env": env}))

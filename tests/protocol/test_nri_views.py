@@ -26,7 +26,9 @@ STANDS_FOR = {"SyncedContainer": "Container", "LargeCreateContainerRequest":
               "CreateContainerRequest", "LargePodSandbox": "PodSandbox",
               "LargeContainer": "Container", "EndedPod": "PodSandbox",
               "EndedContainer": "Container", "GlanceCreateContainerRequest":
-              "CreateContainerRequest", "GlanceContainer": "Container"}
+              "CreateContainerRequest", "GlanceContainer": "Container",
+              "BareSynchronizeRequest": "SynchronizeRequest", "BarePodSandbox": "PodSandbox",
+              "BareSyncedContainer": "Container", "LargeSyncedContainer": "Container"}
 FULL_REQUESTS = {"CreateContainer": pb.CreateContainerRequest,
                  "Synchronize": pb.SynchronizeRequest,
                  "StopContainer": pb.StopContainerRequest,
@@ -71,7 +73,7 @@ def _mismatches(view: Descriptor, full: Descriptor) -> list[str]:
 
 def test_every_view_field_is_the_nri_field_of_that_name() -> None:
     messages = list(views.DESCRIPTOR.message_types_by_name.values())
-    assert len(messages) == 19
+    assert len(messages) == 23
     assert [m for view in messages for m in _mismatches(view, _counterpart(view))] == []
 
 
