@@ -17,8 +17,9 @@ so an answer that cannot be sent holds nothing.
 Allocation state (nri_accel.state.Holdings, keyed by Device.key: kind and UUID, else PCI
 bus id, else the spec's name): commit() records, release() and release_pod() drop,
 restore_grants() rebuilds from what grants_in() reads of the runtime's list of running
-containers: the annotations a Plan adds to each (what the holdings already say of a
-listed container that carries none is kept: a runtime may not hand the annotations back):
+containers (handed to it in restore_slices(), the event loop free in between): the
+annotations a Plan adds to each (what the holdings already say of a listed container
+that carries none is kept: a runtime may not hand the annotations back):
 
     nri-accel.io/granted: Device.key of every device granted, sorted, comma separated
     nri-accel.io/shared:  those of them used shared (absent when none)
@@ -34,8 +35,9 @@ container's own annotations, not the copies of its pod's. Every change bumps
 
 from __future__ import annotations
 
+import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
 from types import MappingProxyType
 
@@ -49,7 +51,7 @@ from nri_accel.edits import build as build_edits
 from nri_accel.inventory import KIND_RE, ContainerEdits, Device, Inventory
 from nri_accel.log import get_logger
 from nri_accel.policy import Policy, own_annotations
-from nri_accel.request import ANNOTATION_GRANTED, ANNOTATION_SHARED
+from nri_accel.request import ANNOTATION_GRANTED, ANNOTATION_SHARED, check_bounds
 from nri_accel.request import ENV_PREFIXES as REQUEST_ENV_PREFIXES
 from nri_accel.select import DeviceIndex, select
 from nri_accel.state import Grant, Holdings
@@ -58,6 +60,13 @@ from nri_accel.vendors import parent_of
 log = get_logger(__name__)
 
 _MAX_RESTORED_KEYS = 1024  # more keys than any node has devices: a corrupt annotation
+# A grant annotation as grant_annotations() writes it: read by one match, in C.
+_WRITTEN_KEYS_RE = re.compile(rf"{KIND_RE.pattern}=[^,\s]+(?:,{KIND_RE.pattern}=[^,\s]+)*")
+RESTORE_KEYS = 2048
+"""Grant keys (of nri-accel.io/granted and nri-accel.io/shared) in one slice of
+restore_slices(): 2 ms of reading at most, UUID keys of 56 characters (a container on a
+node of 8 GPUs holds at most 8 keys, or 56 with its MIG devices: 100 such containers
+fill a slice of 100 long before)."""
 ENV_SCOPE = tuple(sorted({*REQUEST_ENV_PREFIXES, *EDITS_ENV_PREFIXES}))
 """Every env entry plan() looks at starts with one of these: a ContainerInfo whose env
 holds only those entries gets the same Plan, but for equal values written again
@@ -152,7 +161,9 @@ class Engine:
 
     def plan(self, info: ContainerInfo) -> Plan:
         """The Plan for one container. Records nothing (commit() does); raises
-        RequestError and subclasses."""
+        RequestError and subclasses. A request over nri_accel.request's bounds (of the
+        env, those of ENV_SCOPE: build() reads them too) is refused before any work."""
+        check_bounds(info, ENV_SCOPE)
         request = self._policy.request_for(info)
         counted = next((c for c in request.grants if c.count is not None), None)
         with self._lock:
@@ -309,11 +320,39 @@ def _read_grant(info: ContainerInfo) -> Grant | None:
                  exclusive=keys - shared, shared=shared & keys)
 
 
+def restore_slices(containers: Iterable[ContainerInfo], most: int,
+                   keys: int = RESTORE_KEYS) -> Iterator[list[ContainerInfo]]:
+    """`containers` in slices for grants_in(), between which the caller gives the event
+    loop a turn: at most `most` containers, whose grant annotations hold at most `keys`
+    keys in all (counted by their separators, in C; a slice holds one container at
+    least)."""
+    part: list[ContainerInfo] = []
+    held = 0
+    for info in containers:
+        own = info.container_annotations
+        weight = sum(min(own[k].count(",") + 1, _MAX_RESTORED_KEYS)
+                     for k in (ANNOTATION_GRANTED, ANNOTATION_SHARED) if k in own)
+        if part and (len(part) >= most or held + weight > keys):
+            yield part
+            part, held = [], 0
+        part.append(info)
+        held += weight
+    if part:
+        yield part
+
+
 def _keys(value: str) -> frozenset[str] | None:
-    """Comma-separated device keys (kind=id), or None if it is not that."""
-    parts = [p.strip() for p in value.split(",") if p.strip()]
-    if len(parts) > _MAX_RESTORED_KEYS:
+    """Comma-separated device keys (kind=id), or None if it is not that. The number of
+    items (_MAX_RESTORED_KEYS at most, empty ones included) is checked first, by
+    counting separators in C; then the form: by one match where it is the one
+    grant_annotations() writes, else key by key (blanks, empty items)."""
+    if not value:
+        return frozenset()
+    if value.count(",") >= _MAX_RESTORED_KEYS:
         return None
+    if _WRITTEN_KEYS_RE.fullmatch(value):
+        return frozenset(value.split(","))
+    parts = [p.strip() for p in value.split(",") if p.strip()]
     for p in parts:
         kind, sep, ident = p.partition("=")
         if not sep or not KIND_RE.fullmatch(kind) or not ident:

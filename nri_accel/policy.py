@@ -48,8 +48,8 @@ from msgspec import Struct
 
 from nri_accel.container import ContainerInfo
 from nri_accel.errors import PolicyError
-from nri_accel.request import Origin, Parsed, Source, parse, read_by_parse
-from nri_accel.syntax import DeviceClaim, claim_order
+from nri_accel.request import Origin, Parsed, Source, check_bounds, parse, read_by_parse
+from nri_accel.syntax import MAX_NAME_CHARS, DeviceClaim, claim_order
 
 if TYPE_CHECKING:
     from nri_accel.config import Config
@@ -105,8 +105,12 @@ class Policy(Struct, frozen=True):
 
     def may_grant(self, origin: Origin, namespace: str) -> bool:
         """Whether `origin` may give devices to a container in `namespace`."""
-        return (origin is Origin.CONTAINER or self.mode == MODE_STANDALONE
-                or namespace in self.trusted_namespaces)
+        if origin is Origin.CONTAINER or self.mode == MODE_STANDALONE:
+            return True
+        if len(namespace) <= MAX_NAME_CHARS:
+            return namespace in self.trusted_namespaces
+        # (a namespace of megabytes is not hashed: strings of other lengths compare at once)
+        return any(namespace == t for t in self.trusted_namespaces)
 
     def decide(self, origin: Origin, namespace: str, *, vendor_granted: bool) -> Verdict:
         if vendor_granted:
@@ -117,7 +121,7 @@ class Policy(Struct, frozen=True):
 
     def reason(self, origin: Origin, namespace: str) -> str:
         """Why `origin` may not grant in `namespace`: the text of refusals and notes."""
-        where = f"namespace {namespace!r}" if namespace else "a container with no namespace"
+        where = f"namespace {_cut(namespace)!r}" if namespace else "a container with no namespace"
         return (f"{origin.value} may not grant devices in {where}; allocate through the "
                 "device plugin or add the namespace to policy.trusted_namespaces")
 
@@ -128,7 +132,13 @@ class Policy(Struct, frozen=True):
 
         Remembered by what parse() reads of the container and its namespace (the
         replicas and restarts of a workload ask alike): a third of a CreateContainer's
-        time when it grants (bench_hotpath.py). Refusals are not remembered."""
+        time when it grants (bench_hotpath.py). Refusals are not remembered, nor the
+        Requests of a namespace or container name longer than MAX_NAME_CHARS (Kubernetes
+        allows 63): the memo's keys would hold them. A request over the bounds of
+        nri_accel.request.check_bounds() is refused before any of this."""
+        check_bounds(info)
+        if len(info.namespace) > MAX_NAME_CHARS or len(info.container_name) > MAX_NAME_CHARS:
+            return self.apply(parse(info), info.namespace)
         key = (self, info.namespace, *read_by_parse(info))
         try:
             return _REQUESTS[key]
@@ -206,6 +216,12 @@ REQUEST_MEMO_SIZE = 512
 """Requests remembered before the memo starts over. Its keys hold only the annotations
 and env entries parse() reads, each value and all of them together size-limited."""
 _REQUESTS: dict[tuple[Hashable, ...], Request] = {}
+
+
+def _cut(name: str) -> str:
+    """`name` as shown in a message: the first MAX_NAME_CHARS characters (a namespace is
+    at most 63 in Kubernetes; a hostile runtime request may send megabytes)."""
+    return name if len(name) <= MAX_NAME_CHARS else name[:MAX_NAME_CHARS] + "..."
 
 
 def _demoted(src: Source) -> Source:
