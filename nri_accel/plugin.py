@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import itertools
 import os
 import re
 import sys
@@ -53,7 +52,7 @@ from nri_accel import log as logging_setup
 from nri_accel.app import DAEMON, App
 from nri_accel.config import DEFAULT_CONFIG_PATH
 from nri_accel.container import ContainerInfo
-from nri_accel.engine import ENV_SCOPE, Engine, Plan
+from nri_accel.engine import ENV_SCOPE, Engine, Plan, restore_slices
 from nri_accel.errors import ConfigError, InternalError, NriAccelError, RequestError
 from nri_accel.health import HealthWatches
 from nri_accel.inventory import Inventory
@@ -76,6 +75,7 @@ _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # envelope around the adjustment (field tags and lengths, the status).
 MAX_ADJUSTMENT_BYTES = MAX_MESSAGE_SIZE - 1024
 RESTORE_SLICE = 100  # granted containers restored between two turns of the event loop
+# (fewer when their grants hold many keys: engine.restore_slices)
 # The keys of a container's own annotations that are read: those read of its pod's
 # (ANNOTATION_PREFIXES), and the CRI metadata CRI-O names it in (convert.container_name).
 CONTAINER_KEYS = (*ANNOTATION_PREFIXES, convert.CRIO_METADATA)
@@ -136,7 +136,7 @@ class AccelPlugin:
         with self._timed("synchronize"):
             live = convert.live_containers(containers, pods, RESERVED_KEYS)
             grants = []
-            while part := list(itertools.islice(live, RESTORE_SLICE)):
+            for part in restore_slices(live, RESTORE_SLICE):
                 grants += self.engine.grants_in(part)
                 await asyncio.sleep(0)
             self.engine.restore_grants(grants)

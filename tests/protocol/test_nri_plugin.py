@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 
 from nri_accel import log
 from nri_accel.container import ContainerInfo
+from nri_accel.engine import RESTORE_KEYS
 from nri_accel.errors import NriAccelError, PolicyError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode
 from nri_accel.nri import nri_pb2 as pb
@@ -153,6 +154,19 @@ def test_synchronize_restores_the_granted_containers_a_slice_at_a_time() -> None
     assert engine.restore_parts == [RESTORE_SLICE, RESTORE_SLICE, 250 - 2 * RESTORE_SLICE]
     assert set(turns) >= {RESTORE_SLICE, 2 * RESTORE_SLICE}
 
+
+
+def test_synchronize_restores_grants_of_many_keys_in_smaller_slices() -> None:
+    """A slice is bounded by the grants' keys too (engine.restore_slices): 100 containers
+    each naming 1,000 keys would be read in one turn of the loop (tens of ms)."""
+    engine = FakeEngine()
+    heavy = {"nri-accel.io/granted": ",".join(f"nvidia.com/gpu=GPU-{i}" for i in range(1000))}
+    containers = [make_container(POD, {"name": f"c{i}", "state": "CONTAINER_RUNNING",
+                                       "annotations": heavy}) for i in range(10)]
+    asyncio.run(AccelPlugin(engine).synchronize([POD], containers))  # type: ignore[arg-type]
+    per_slice = RESTORE_KEYS // 1000
+    assert engine.restore_parts == [per_slice] * (10 // per_slice) + (
+        [10 % per_slice] if 10 % per_slice else [])
 
 def test_stop_and_remove_release_and_synchronize_restores_live_containers() -> None:
     engine = FakeEngine()
