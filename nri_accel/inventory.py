@@ -20,11 +20,19 @@ source is the file (or the origin given) and whose message starts with the JSON 
   major or minor Linux could not have made, a PCI bus id that is not one, a driver
   with no vendor or the vendor of another;
 - two devices sharing an identity, which could not be served safely (the same device
-  granted twice, a request meaning another device than it names): a UUID (across
-  kinds: it names one piece of hardware), an id within a kind (name, UUID or alias,
-  as Inventory.find compares them), or a PCI bus id within a kind that one of them
-  answers to. Devices may share a PCI function none of them answers to, as discovery
-  makes them: the MIG devices of a GPU, the compute partitions of an AMD GPU.
+  granted twice, a request meaning another device than it names, a grant or holding
+  that cannot tell two devices apart): a UUID (across kinds: it names one piece of
+  hardware), an id within a kind (name, UUID, alias or partition id, as
+  Inventory.find compares them), a PCI bus id within a kind that one of them answers
+  to, or a key (Device.key, what holdings and grants name a device by). Devices may
+  share a PCI function none of them answers to, as discovery makes them, when each
+  has an id of its own beyond it: the MIG devices of a GPU (a UUID each), the compute
+  partitions of an AMD GPU (a partition index each).
+
+identity_collisions(devices) finds every such collision (the later device of each
+pair, in the order given, against the first): loading refuses the first, discovery
+(nri_accel.discover.assemble) keeps the first device and drops the later one with a
+Problem.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from msgspec import NODEFAULT, Struct, structs
 
@@ -85,6 +93,12 @@ DEVICE_NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.:-]*[A-Za-z0-9])?")
 # "00000000:3B:00.0", sysfs's "0000:3b:00.0").
 _PCI_BUS_ID_RE = re.compile(
     r"([0-9A-Fa-f]{1,16}):([0-9A-Fa-f]{1,8}):([0-9A-Fa-f]{1,8})\.([0-9A-Fa-f]{1,8})")
+
+
+# What joins a PCI bus id and a partition's index in its partition id ("0000:11:00.0-p3"):
+# allowed in a CDI device name, never in a PCI bus id.
+PARTITION_SEPARATOR = "-p"
+MAX_PARTITION = 255  # amdgpu has at most 8 (MAX_XCP); more is not a partition index
 
 
 def parse_pci_bus_id(text: str) -> tuple[int, int, int, int] | None:
@@ -226,6 +240,10 @@ class Device(Struct, frozen=True):
     attributes: Mapping[str, str] = MappingProxyType({})
     links: tuple[str, ...] = ()  # names of same-kind peers with a direct link (NVLink, Neuron ring)
     vendor: str = ""  # which Driver's capability edits it needs ("nvidia", "neuron", "")
+    # A partition of the PCI function `pci_bus_id` (an AMD GPU in DPX/QPX/CPX mode): its
+    # index within it, the number the driver gives it (amdgpu's XCP id, KFD's node_id);
+    # None: not a partition. With no UUID of its own it is what tells it from its siblings.
+    partition: int | None = None
 
     @property
     def qualified_name(self) -> str:
@@ -234,9 +252,18 @@ class Device(Struct, frozen=True):
     @property
     def stable_id(self) -> str:
         """The id that keeps naming this device when the node is renumbered (a MIG
-        reconfiguration, a GPU off the bus, a driver reload): its UUID, else its PCI bus
-        id, else its name (CDI and static devices: the name their spec or config gives)."""
-        return self.uuid or self.pci_bus_id or self.name
+        reconfiguration, a GPU off the bus, a driver reload): its UUID, else its
+        partition id (a partition of a PCI function), else its PCI bus id, else its name
+        (CDI and static devices: the name their spec or config gives)."""
+        return self.uuid or self.partition_id or self.pci_bus_id or self.name
+
+    @property
+    def partition_id(self) -> str:
+        """"<PCI bus id>-p<partition>" ("0000:11:00.0-p3") for a partition of a PCI
+        function, which answers to it; "" for any other device."""
+        if self.partition is None or not self.pci_bus_id:
+            return ""
+        return f"{self.pci_bus_id}{PARTITION_SEPARATOR}{self.partition}"
 
     @property
     def key(self) -> str:
@@ -245,8 +272,9 @@ class Device(Struct, frozen=True):
 
     @property
     def ids(self) -> tuple[str, ...]:
-        """Every id this device answers to: name, uuid, aliases."""
-        return (self.name, *((self.uuid,) if self.uuid else ()), *self.aliases)
+        """Every id this device answers to: name, uuid, aliases, partition id."""
+        return (self.name, *((self.uuid,) if self.uuid else ()), *self.aliases,
+                *((self.partition_id,) if self.partition_id else ()))
 
 
 class Driver(Struct, frozen=True):
@@ -360,7 +388,9 @@ class Inventory:
             problems = [_decode(Problem, d, f"problems[{i}]")
                         for i, d in enumerate(_list_at(data, "problems"))]
             _check_drivers(drivers)
-            _check_identities(devices)
+            collisions = identity_collisions(devices)
+            if collisions:
+                raise ValueError(collisions[0].describe(devices, path=True))
         except ValueError as e:
             raise InventoryError(str(e), source=origin) from e
         return cls(
@@ -425,49 +455,122 @@ def _check_drivers(drivers: Sequence[Driver]) -> None:
         seen[d.vendor] = i
 
 
-def _check_identities(devices: Sequence[Device]) -> None:
-    """Refuse the second of two devices (in file order) that share an identity: a UUID
-    (any kind), an id within a kind (name, UUID, alias; case-insensitive, as
-    Inventory.find), or a PCI bus id within a kind (any padding or case) that either
-    answers to (its name, UUID or an alias). The message names the second device's
-    field by its JSON path and the device it collides with."""
+class Collision(NamedTuple):
+    """Device `index` shares an identity with the earlier device `other` (indices in
+    the sequence given): its field `what` (a JSON path below the device: "uuid",
+    "aliases[1]", "pci_bus_id") holds `value`, which is the other's `other_what`."""
+
+    index: int
+    what: str
+    value: str
+    other: int
+    other_what: str
+    reason: str = ""  # why a shared value is a collision where it is not obvious
+
+    def describe(self, devices: Sequence[Device], *, path: bool = False,
+                 origin: str = "") -> str:
+        """"devices[1].uuid: 'GPU-1' is also devices[0].uuid (nvidia.com/gpu=0): two
+        devices with one identity"; path=False names no position: "UUID 'GPU-1' is also
+        the UUID of nvidia.com/gpu=0 (from `origin`): two devices with one identity"."""
+        other = devices[self.other].qualified_name
+        why = f", {self.reason}" if self.reason else ""
+        if path:
+            return (f"devices[{self.index}].{self.what}: {self.value!r} is also "
+                    f"devices[{self.other}].{self.other_what} ({other}){why}: two devices "
+                    "with one identity")
+        came = f" (from {origin})" if origin else ""
+        return (f"{_field_name(self.what)} {self.value!r} is also the "
+                f"{_field_name(self.other_what)} of {other}{came}{why}: two devices with "
+                "one identity")
+
+
+def _field_name(what: str) -> str:
+    """A Device field as a message names it: "aliases[1]" -> "alias"."""
+    return {"aliases": "alias", "pci_bus_id": "PCI bus id", "uuid": "UUID"}.get(
+        what.partition("[")[0], what.partition("[")[0])
+
+
+def identity_collisions(devices: Sequence[Device]) -> list[Collision]:
+    """Every device (in the order given) that shares an identity with an earlier one it
+    does not collide with itself: a UUID (any kind), an id within a kind (name, UUID,
+    alias, partition id; case-insensitive, as Inventory.find), a PCI bus id within a
+    kind (any padding or case) that either answers to (its name, UUID or an alias), or
+    a key (kind and UUID, else PCI function and partition index, else PCI function: two
+    devices on one PCI function, neither with a UUID or a partition index). One
+    Collision per such device, its first; a device that collides counts as absent for
+    the later ones (it is the one dropped), so each is judged against the devices
+    kept."""
     uuids: dict[str, tuple[int, str]] = {}
     ids: dict[tuple[str, str], tuple[int, str]] = {}
     answered: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # PCI ids answered to
     located: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # pci_bus_id fields
-
-    def clash(i: int, what: str, value: str, other: tuple[int, str]) -> ValueError:
-        j, other_what = other
-        return ValueError(f"devices[{i}].{what}: {value!r} is also devices[{j}].{other_what} "
-                          f"({devices[j].qualified_name}): two devices with one identity")
-
+    keyed: dict[tuple[str, tuple[int, ...], int | None], tuple[int, str]] = {}
+    out: list[Collision] = []
     for i, d in enumerate(devices):
-        named = [("name", d.name), *((("uuid", d.uuid),) if d.uuid else ()),
-                 *((f"aliases[{k}]", a) for k, a in enumerate(d.aliases))]
-        if d.uuid:
-            other = uuids.get(d.uuid.lower())
-            if other is not None:
-                raise clash(i, "uuid", d.uuid, other)
-            uuids[d.uuid.lower()] = (i, "uuid")
-        for what, ident in named:
-            other = ids.setdefault((d.kind, ident.lower()), (i, what))
-            if other[0] != i:
-                raise clash(i, what, ident, other)
-        for what, ident in named:
+        found = _first_collision(d, uuids, ids, answered, located, keyed)
+        if found is not None:
+            what, value, (j, other_what), reason = found
+            out.append(Collision(i, what, value, j, other_what, reason))
+            continue
+        # Keep it: what it answers to, is and is located at is taken from now on.
+        for what, ident in _named(d):
+            ids.setdefault((d.kind, ident.lower()), (i, what))
             bus = parse_pci_bus_id(ident)
-            if bus is None:
-                continue
-            for other in (answered.get((d.kind, bus)), located.get((d.kind, bus))):
-                if other is not None and other[0] != i:
-                    raise clash(i, what, ident, other)
-            answered.setdefault((d.kind, bus), (i, what))
-        if d.pci_bus_id:
-            bus = parse_pci_bus_id(d.pci_bus_id)
-            assert bus is not None  # _check_device refused any other
-            other = answered.get((d.kind, bus))
-            if other is not None and other[0] != i:
-                raise clash(i, "pci_bus_id", d.pci_bus_id, other)
+            if bus is not None:
+                answered.setdefault((d.kind, bus), (i, what))
+        if d.uuid:
+            uuids.setdefault(d.uuid.lower(), (i, "uuid"))
+        bus = parse_pci_bus_id(d.pci_bus_id) if d.pci_bus_id else None
+        if bus is not None:
             located.setdefault((d.kind, bus), (i, "pci_bus_id"))
+            if not d.uuid:
+                keyed.setdefault((d.kind, bus, d.partition),
+                                 (i, "partition" if d.partition is not None else "pci_bus_id"))
+    return out
+
+
+def _named(d: Device) -> list[tuple[str, str]]:
+    """(field, id) of every id `d` answers to (Device.ids), by the field holding it."""
+    return [("name", d.name), *((("uuid", d.uuid),) if d.uuid else ()),
+            *((f"aliases[{k}]", a) for k, a in enumerate(d.aliases)),
+            *((("partition", d.partition_id),) if d.partition_id else ())]
+
+
+def _first_collision(
+    d: Device,
+    uuids: Mapping[str, tuple[int, str]],
+    ids: Mapping[tuple[str, str], tuple[int, str]],
+    answered: Mapping[tuple[str, tuple[int, ...]], tuple[int, str]],
+    located: Mapping[tuple[str, tuple[int, ...]], tuple[int, str]],
+    keyed: Mapping[tuple[str, tuple[int, ...], int | None], tuple[int, str]],
+) -> tuple[str, str, tuple[int, str], str] | None:
+    """(field, value, (index, field) of the earlier device, reason) of `d`'s first
+    collision with the devices kept so far, in the order the rules are listed; None."""
+    if d.uuid and (other := uuids.get(d.uuid.lower())) is not None:
+        return "uuid", d.uuid, other, ""
+    named = _named(d)
+    for what, ident in named:
+        if (other := ids.get((d.kind, ident.lower()))) is not None:
+            return what, ident, other, ""
+    for what, ident in named:
+        bus = parse_pci_bus_id(ident)
+        if bus is None:
+            continue
+        for other in (answered.get((d.kind, bus)), located.get((d.kind, bus))):
+            if other is not None:
+                return what, ident, other, ""
+    if d.pci_bus_id:
+        bus = parse_pci_bus_id(d.pci_bus_id)
+        if bus is None:  # _check_device refuses it at load; discovery writes none
+            return None
+        if (other := answered.get((d.kind, bus))) is not None:
+            return "pci_bus_id", d.pci_bus_id, other, ""
+        if not d.uuid and (other := keyed.get((d.kind, bus, d.partition))) is not None:
+            if d.partition is not None:  # its partition id in another PCI padding
+                return "partition", d.partition_id, other, "the same partition"
+            return ("pci_bus_id", d.pci_bus_id, other,
+                    "neither with a UUID or a partition index to tell them apart")
+    return None
 
 
 @lru_cache(maxsize=8192)
@@ -594,7 +697,8 @@ _FIELD_TYPES: dict[type, dict[str, Any]] = {
                      "additional_gids": ("tuple", _I)},
     Device: {"kind": _S, "name": _S, "uuid": _S, "aliases": ("tuple", _S), "edits": _EDITS,
              "numa_node": _OI, "pci_bus_id": _S, "parent": _S, "healthy": _B,
-             "attributes": ("map", _S), "links": ("tuple", _S), "vendor": _S},
+             "attributes": ("map", _S), "links": ("tuple", _S), "vendor": _S,
+             "partition": _OI},
     Driver: {"vendor": _S, "version": _S, "cuda_version": _S,
              "capabilities": ("map", _EDITS)},
     Problem: {"source": _S, "message": _S},
@@ -620,6 +724,13 @@ def _check_device(device: Device, where: str) -> None:
     if device.pci_bus_id and parse_pci_bus_id(device.pci_bus_id) is None:
         raise ValueError(f"{where}.pci_bus_id: {device.pci_bus_id!r} is not a PCI bus id "
                          "(domain:bus:device.function, such as 0000:3b:00.0)")
+    if device.partition is not None:
+        if not 0 <= device.partition <= MAX_PARTITION:
+            raise ValueError(f"{where}.partition: {device.partition} is not a partition "
+                             f"index (0 to {MAX_PARTITION})")
+        if not device.pci_bus_id:
+            raise ValueError(f"{where}.partition: a partition needs the pci_bus_id of the "
+                             "PCI function it is a partition of")
 
 
 def _check_driver(driver: Driver, where: str) -> None:

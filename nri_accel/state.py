@@ -18,8 +18,8 @@ devices, a Neuron device and its NeuronCores: Holdings.set_parts) count as one f
 rule where the whole is concerned: the whole is not granted exclusively while another
 container holds one of its parts, nor a part while another holds the whole; two parts
 of one device may go to different containers. Holdings are keyed by what stays true of
-a device (Device.key: "<kind>=<UUID>", else its PCI bus id, else the name a spec gives
-it), never by an index that a renumbering can shift.
+a device (Device.key: "<kind>=<UUID>", else its partition id, else its PCI bus id,
+else the name a spec gives it), never by an index that a renumbering can shift.
 
 A container's grant ends with StopContainer/RemoveContainer, with its pod sandbox
 (Stop/RemovePodSandbox: CRI-O sends nothing for a container whose `runc create` failed

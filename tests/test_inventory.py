@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -21,6 +22,7 @@ from nri_accel.inventory import (
     Mount,
     Problem,
     format_pci_bus_id,
+    identity_collisions,
     merge_edits,
     natural_key,
     parse_pci_bus_id,
@@ -239,14 +241,15 @@ def test_the_audits_duplicate_uuid_fails_explain_naming_file_path_and_device(
 
 def test_what_discovery_shares_still_loads() -> None:
     """MIG devices carry their GPU's PCI bus id, AMD compute partitions one GPU's (none
-    answers to it); one name in two kinds; a device's id repeated on itself."""
+    answers to it; a partition index each); one name in two kinds; a device's id
+    repeated on itself."""
     mig = Inventory.load(GOLDEN / "discover" / "a100-mig.json").of_kind("nvidia.com/mig")
     assert len(mig) > len({d.pci_bus_id for d in mig}) > 0
     doc = {"schema_version": 1, "devices": [
         {"kind": "amd.com/gpu", "name": "0", "aliases": ["renderD128"],
-         "pci_bus_id": "0000:11:00.0"},
+         "pci_bus_id": "0000:11:00.0", "partition": 0},
         {"kind": "amd.com/gpu", "name": "1", "aliases": ["renderD129"],
-         "pci_bus_id": "0000:11:00.0"},
+         "pci_bus_id": "0000:11:00.0", "partition": 1},
         {"kind": "aws.amazon.com/neuron", "name": "0", "aliases": ["neuron0", "NEURON0"]},
         {"kind": "aws.amazon.com/neuroncore", "name": "0", "parent": "0"},
         {"kind": "acme.example/npu", "name": "0000:11:00.0",
@@ -256,6 +259,68 @@ def test_what_discovery_shares_still_loads() -> None:
     assert [d.qualified_name for d in inv.devices] == [
         "acme.example/npu=0000:11:00.0", "amd.com/gpu=0", "amd.com/gpu=1",
         "aws.amazon.com/neuron=0", "aws.amazon.com/neuroncore=0"]
+    assert [d.key for d in inv.of_kind("amd.com/gpu")] == [
+        "amd.com/gpu=0000:11:00.0-p0", "amd.com/gpu=0000:11:00.0-p1"]
+    assert inv.find("amd.com/gpu", "0000:11:00.0-P1").name == "1"  # as find() compares
+    assert Inventory.from_json(inv.to_json()) == inv
+
+
+def _partitions(*devices: dict) -> dict:
+    base = {"kind": "amd.com/gpu", "pci_bus_id": "0000:11:00.0"}
+    return {"schema_version": 1, "devices": [{**base, **d} for d in devices]}
+
+
+@pytest.mark.parametrize(("devices", "message"), [
+    # What discovery wrote before partitions had an index: one key for both, so holding
+    # one made the other look held, and a grant could not say which it was.
+    (({"name": "0"}, {"name": "1"}),
+     "devices[1].pci_bus_id: '0000:11:00.0' is also devices[0].pci_bus_id "
+     "(amd.com/gpu=0), neither with a UUID or a partition index to tell them apart"),
+    (({"name": "0", "partition": 2}, {"name": "1", "partition": 2}),
+     "devices[1].partition: '0000:11:00.0-p2' is also devices[0].partition "
+     "(amd.com/gpu=0)"),
+    (({"name": "0", "partition": 2}, {"name": "1", "partition": 2, "pci_bus_id": "0:11:0.0"}),
+     "devices[1].partition: '0:11:0.0-p2' is also devices[0].partition (amd.com/gpu=0), "
+     "the same partition"),
+    (({"name": "0", "partition": 1}, {"name": "1", "aliases": ["0000:11:00.0-p1"]}),
+     "devices[1].aliases[0]: '0000:11:00.0-p1' is also devices[0].partition "
+     "(amd.com/gpu=0)"),
+])
+def test_partitions_sharing_a_key_are_refused_at_load(devices, message) -> None:
+    with pytest.raises(InventoryError) as err:
+        Inventory.from_dict(_partitions(*devices))
+    assert err.value.message == f"{message}: two devices with one identity"
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ({"partition": -1}, "devices[0].partition: -1 is not a partition index (0 to 255)"),
+    ({"partition": 256}, "devices[0].partition: 256 is not a partition index (0 to 255)"),
+    ({"partition": True}, "devices[0].partition: expected int, got bool"),
+    ({"partition": 0, "pci_bus_id": ""}, "devices[0].partition: a partition needs the "
+     "pci_bus_id of the PCI function it is a partition of"),
+])
+def test_a_partition_index_is_checked_at_load(device, message) -> None:
+    with pytest.raises(InventoryError) as err:
+        Inventory.from_dict(_partitions({"name": "0", **device}))
+    assert err.value.message == message
+
+
+def test_identity_collisions_lists_each_later_device_against_those_kept() -> None:
+    """All collisions, not the first: each later device once, judged against the
+    devices kept (one that collides is dropped, so a third like it collides with the
+    first, never with the dropped one)."""
+    gpu = partial(Device, "nvidia.com/gpu")
+    devices = [gpu("0", uuid="GPU-a"), gpu("1", uuid="GPU-A"), gpu("2", uuid="GPU-b",
+               aliases=("GPU-a",)), gpu("3", uuid="GPU-c"), gpu("1", uuid="GPU-d")]
+    found = identity_collisions(devices)
+    assert [(c.index, c.what, c.value, c.other, c.other_what) for c in found] == [
+        (1, "uuid", "GPU-A", 0, "uuid"), (2, "aliases[0]", "GPU-a", 0, "uuid")]
+    assert [c.describe(devices, origin="nvidia") for c in found] == [
+        "UUID 'GPU-A' is also the UUID of nvidia.com/gpu=0 (from nvidia): two devices "
+        "with one identity",
+        "alias 'GPU-a' is also the UUID of nvidia.com/gpu=0 (from nvidia): two devices "
+        "with one identity"]
+    assert identity_collisions(devices[:1] + devices[3:]) == []
 
 
 def _saved_inventories() -> list[Path]:

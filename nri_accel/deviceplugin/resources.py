@@ -20,8 +20,8 @@ Resources (one kubelet device plugin each) are what each family's profile names
 - resource_names renames any kind (`nvidia.com/gpu` -> `nri-accel.io/gpu` beside
   NVIDIA's plugin; the MIG resources take the name of `nvidia.com/mig` + "-<profile>"),
   "" leaves a kind out.
-A device's kubelet ID is what stays true of it (Device.stable_id: its UUID, else its PCI
-bus id, else its name), never an index a renumbering could shift. With time-slicing
+A device's kubelet ID is what stays true of it (Device.stable_id: its UUID, else its
+partition id, else its PCI bus id, else its name), never an index a renumbering could shift. With time-slicing
 (`replicas` N for a resource) each device is advertised N times, as "<id>::<n>" for n
 in 0..N-1 (NVIDIA's annotated IDs); the grant names the replica, which `run` resolves to
 the device, used shared (nri_accel.select). Anything that cannot be advertised (no MIG

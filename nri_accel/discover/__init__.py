@@ -17,6 +17,13 @@ family never stops the others: one that raises is reported as a Problem. Merging
   missing), CDI devices of that kind are used as they are.
 - A qualified name found twice keeps the first (static before CDI: the operator's own
   config wins over vendor files); the later one is ignored with a Problem.
+- So does any other identity two devices share (nri_accel.inventory
+  identity_collisions, the rules that refuse a saved inventory): a UUID a buggy driver
+  reports twice, a name in another case or a PCI bus id in another padding in two spec
+  files, two devices with one key. The first in this order is kept; the later one is
+  ignored with a Problem naming both devices and where each comes from, so the Engine
+  never holds two devices with one identity (one device granted twice, a request
+  meaning another device than it names).
 - A non-native family's driver entry (a CDI spec's own edits) is kept only while one of
   its devices is.
 """
@@ -30,7 +37,7 @@ from types import MappingProxyType
 from nri_accel.config import Config
 from nri_accel.discover.base import Found
 from nri_accel.discover.hostroot import HostRoot
-from nri_accel.inventory import Device, Driver, Inventory, Problem
+from nri_accel.inventory import Device, Driver, Inventory, Problem, identity_collisions
 from nri_accel.log import get_logger
 
 log = get_logger(__name__)
@@ -80,6 +87,7 @@ def assemble(results: Iterable[tuple[str, bool, Found]]) -> Inventory:
                 native_kind_source.setdefault(d.kind, source)
 
     devices: list[Device] = []
+    wheres: list[str] = []  # what a Problem about devices[i] names
     owner: dict[str, str] = {}
     problems: list[Problem] = []
     drivers: dict[str, Driver] = {}
@@ -100,6 +108,7 @@ def assemble(results: Iterable[tuple[str, bool, Found]]) -> Inventory:
                 continue
             owner[d.qualified_name] = where
             devices.append(d)
+            wheres.append(where)
         for drv in found.drivers:
             drivers.setdefault(drv.vendor, drv)
             if not is_native:
@@ -107,6 +116,14 @@ def assemble(results: Iterable[tuple[str, bool, Found]]) -> Inventory:
     for (where, kind, native), names in shadowed.items():
         problems.append(Problem(where, f"{kind} devices are discovered by {native}; the "
                                        f"{len(names)} defined here are ignored"))
+    collisions = identity_collisions(devices)
+    for c in collisions:
+        problems.append(Problem(wheres[c.index], (
+            f"{devices[c.index].qualified_name} is ignored: its "
+            f"{c.describe(devices, origin=wheres[c.other])}")))
+    if collisions:
+        dropped = {c.index for c in collisions}
+        devices = [d for i, d in enumerate(devices) if i not in dropped]
 
     used_vendors = {d.vendor for d in devices}
     drivers = {v: drv for v, drv in drivers.items() if v not in optional or v in used_vendors}

@@ -45,7 +45,18 @@ def by_name(name: str) -> Profile | None:
 
 def parent_of(device: Device, inventory: Inventory) -> Device | None:
     """The device `device` is a part of (a MIG device's GPU, a NeuronCore's Neuron
-    device): its `parent` among its family's kinds, the whole's kind first."""
+    device): its `parent` among its family's kinds, the whole's kind first. A partition
+    of a PCI function (Device.partition: an AMD GPU in CPX mode) is a part of that
+    function, which no inventory lists (it is not grantable while partitioned): the
+    whole returned is that PCI function under its key (kind and PCI bus id), the key
+    nri-accel gave every partition of a GPU before partitions had an index of their
+    own, so that a container still holding it (a grant annotation or checkpoint written
+    before) holds every partition of that GPU until it ends, and no partition of it is
+    granted twice."""
+    if device.partition is not None and device.pci_bus_id:
+        from nri_accel.inventory import Device
+
+        return Device(kind=device.kind, name=device.pci_bus_id, pci_bus_id=device.pci_bus_id)
     if not device.parent:
         return None
     for kind in family_of(device.kind).kinds:

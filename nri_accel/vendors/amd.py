@@ -42,6 +42,26 @@ Facts it relies on (sources: repository + path):
   (ROCm/container-toolkit internal/gpu-tracker/gpu-tracker.go, parseGPUsList). The
   device plugin's device id is the PCI address. Product name: the PCI function's
   product_name (amdgpu FRU, server boards only; Documentation/gpu/amdgpu/driver-misc.rst).
+- Compute partitions (MI300 series in DPX, QPX or CPX mode, the PCI function's
+  current_compute_partition): each partition is a KFD node of its own with its own
+  render node (partition 0 the PCI function's own DRM device, the others amdgpu_xcp
+  platform devices: amdgpu_xcp.c, amdgpu_xcp_dev_alloc), and the GPU's unique_id and
+  hive_id (node_show prints adev->unique_id for every node of the GPU). Where the GPU
+  has more than one KFD node, its nodes' location_id is pci_dev_id | node_id, the
+  partition's index in its GPU (kfd_topology_add_device: `if (gpu->kfd->num_nodes >
+  1) location_id |= node_id`, ROCm/amdgpu and torvalds/linux drivers/gpu/drm/amd/
+  amdkfd/kfd_topology.c; an amd-gfx patch of February 2024 moved it to bits 31:28 and
+  was reverted). So partitions are the GPU nodes sharing a domain, a bus and a nonzero
+  unique_id; their GPU's PCI address is the AND of their location_ids (partition 0's,
+  which always exists: it is the GPU's own DRM device), and each one's index is what
+  its location_id adds to it, or its bits 31:28. A partition has no UUID (ROCr's is
+  the GPU's), answers to neither shared id, and is named for what stays true of it,
+  its GPU's PCI address and its index (Device.partition: "0000:11:00.0-p3", its key and
+  its device-plugin ID) while the mode stays; a new mode makes new devices, as a MIG
+  reconfiguration does. ROCm's device plugin IDs partitions by the PCI address
+  (partition 0) and the amdgpu_xcp_<N> platform device name (the others), whose N is a
+  counter over every GPU in probe order (ROCm/k8s-device-plugin internal/pkg/amdgpu/
+  amdgpu.go, GetAMDGPUs): not what stays true of one partition, so not used here.
 - Driver version: /sys/module/amdgpu/version exists for the DKMS driver only (the
   in-tree module has no MODULE_VERSION); "" otherwise, which is not a problem.
 - AMD_VISIBLE_DEVICES (gpu-tracker.go parseGPUsList, internal/oci/oci.go): "all"
@@ -60,11 +80,13 @@ Facts it relies on (sources: repository + path):
 
 from __future__ import annotations
 
+import operator
 import re
 from collections import Counter
 from collections.abc import Sequence
+from functools import reduce
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
 from msgspec.structs import replace
@@ -114,7 +136,8 @@ class _GpuNode(Struct, frozen=True):
     kfd_node: int
     gpu_id: int | None
     props: dict[str, int]
-    bus_key: tuple[int, int, int, int]
+    bus_key: tuple[int, int, int, int]  # its GPU's PCI function
+    partition: int | None = None  # its index among the GPU's partitions (_partitioned)
 
     @property
     def render_minor(self) -> int:
@@ -134,7 +157,7 @@ def discover(root: HostRoot) -> Found:
     if not root.exists(topo) and not module_loaded:
         return Found()  # no amdgpu here (a /dev/kfd alone may be a CDI spec's node)
 
-    gpus = _snapshot(root, problems)
+    gpus = _partitioned(_snapshot(root, problems))
     if not root.exists(topo):
         problems.append(Problem(topo, "missing: amdkfd is not initialised, no GPU is usable "
                                 "for compute"))
@@ -219,6 +242,33 @@ def _read_nodes(root: HostRoot, problems: list[Problem]) -> list[_GpuNode]:
     return gpus
 
 
+def _partitioned(gpus: list[_GpuNode]) -> list[_GpuNode]:
+    """`gpus` with the compute partitions of each GPU told apart: the GPU nodes sharing
+    a domain, a bus and a nonzero unique_id get their GPU's PCI function and their
+    index in it (see the module docstring). Should a GPU's location_ids not tell its
+    partitions apart (no kernel writes that), they are numbered by render minor, the
+    order amdgpu creates them in."""
+    groups: dict[tuple[int, ...], list[_GpuNode]] = {}
+    for g in gpus:
+        key = (g.bus_key[0], g.bus_key[1], g.unique_id) if g.unique_id else g.bus_key
+        groups.setdefault(key, []).append(g)
+    out = []
+    for members in groups.values():
+        if len(members) == 1:
+            out += members
+            continue
+        locations = [m.props["location_id"] for m in members]
+        base = reduce(operator.and_, (loc & 0xFFFF for loc in locations))
+        index = [(loc >> 28) & 0xF or (loc & 0xFFFF) ^ base for loc in locations]
+        if len(set(index)) < len(index):
+            by_minor = sorted(range(len(members)), key=lambda k: members[k].render_minor)
+            index = [by_minor.index(k) for k in range(len(members))]
+        bus = (members[0].bus_key[0], base >> 8, (base >> 3) & 0x1F, base & 0x7)
+        out += [replace(m, bus_key=bus, partition=n)
+                for m, n in zip(members, index, strict=True)]
+    return out
+
+
 def _parse_properties(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for line in text.splitlines():
@@ -275,6 +325,7 @@ def _device(root: HostRoot, gpu: _GpuNode, name: str,
         edits=ContainerEdits(device_nodes=(node,)),
         numa_node=kernel.pci_numa_node(root, bus_id),
         pci_bus_id=bus_id,
+        partition=gpu.partition,
         healthy=not kfd_error,
         attributes=MappingProxyType(dict(sorted(attributes.items()))),
         vendor=FAMILY,
@@ -389,6 +440,11 @@ class AmdProfile(VisibleDevicesProfile):
 
     def probe(self, root: HostRoot, config: Config) -> list[tuple[str, object]]:
         return probe(root)
+
+    def partition(self, device: Device, inventory: Any) -> str:
+        if device.partition is None:
+            return ""
+        return f"partition {device.partition} of {device.pci_bus_id}"
 
 
 PROFILE = AmdProfile()

@@ -183,20 +183,100 @@ def test_zero_unique_id_old_kernel_keys_and_no_numa(tmp_path: Path) -> None:
     assert "unique_id" not in d.attributes and d.links == ()
 
 
-def test_partitions_sharing_a_gpu_get_no_ambiguous_ids(tmp_path: Path) -> None:
-    """Compute partitions of one GPU: KFD nodes with the PCI function and unique_id of
-    their GPU; numbered by render minor, with neither shared id as an alias."""
+def _cpx(tree: HostTree, first_node: int, bus: int, minor: int, uid: int, count: int,
+         *, shift: int = 0) -> None:
+    """One GPU in a partitioned mode: `count` KFD nodes with the GPU's unique_id, each
+    with its own render node, and location_id = pci_dev_id | node_id (shift 0: the
+    kernel's kfd_topology_add_device) or node_id << 28 (the reverted variant)."""
+    for p in range(count):
+        _gpu(tree, first_node + p, bus, minor + p, uid=uid, location_id=bus << 8 | p << shift)
+
+
+@pytest.mark.parametrize("shift", [0, 28])
+def test_compute_partitions_are_told_apart_by_their_index_in_the_gpu(tmp_path: Path,
+                                                                     shift: int) -> None:
+    """A GPU in CPX mode: its partitions share the GPU's unique_id (no UUID, no 0x alias)
+    and PCI function (no PCI alias, and its NUMA node); each is named by its GPU's
+    address and its index there, the kernel's node_id, which is its key."""
+    tree = _tree(tmp_path, 0)
+    _cpx(tree, 1, 0x11, 128, 0xABC, 8, shift=shift)
+    _gpu(tree, 9, 0x2F, 136, uid=0xDEF)  # a whole GPU beside them
+    tree.file("/sys/bus/pci/devices/0000:11:00.0/numa_node", "1\n")
+    found = amd.discover(tree.root)
+    assert found.problems == ()
+    parts, whole = found.devices[:8], found.devices[8]
+    assert [(d.name, d.pci_bus_id, d.partition, d.uuid, d.aliases) for d in parts] == [
+        (str(p), "0000:11:00.0", p, "", (f"renderD{128 + p}",)) for p in range(8)]
+    assert [d.key for d in parts] == [f"amd.com/gpu=0000:11:00.0-p{p}" for p in range(8)]
+    assert {d.numa_node for d in parts} == {1}
+    assert amd.PROFILE.partition(parts[3], None) == "partition 3 of 0000:11:00.0"
+    assert (whole.name, whole.partition, whole.key) == (
+        "8", None, "amd.com/gpu=GPU-0000000000000def")
+    assert amd.PROFILE.partition(whole, None) == ""
+
+
+def test_partitions_keep_their_ids_when_the_kfd_order_or_the_render_minors_change(
+        tmp_path: Path) -> None:
+    """What names a partition is its GPU's address and its index, never the KFD node
+    order or a render minor, which another boot may give out differently."""
+    tree = _tree(tmp_path / "a", 0)
+    _cpx(tree, 1, 0x11, 128, 0xABC, 4)
+    _cpx(tree, 5, 0x2F, 132, 0xDEF, 4)
+    other = _tree(tmp_path / "b", 0)
+    _cpx(other, 1, 0x2F, 140, 0xDEF, 4)  # the other GPU probed first, other minors
+    _cpx(other, 5, 0x11, 150, 0xABC, 4)
+    ids = [sorted((d.stable_id, d.attributes["drm_render_minor"])
+                  for d in amd.discover(t.root).devices) for t in (tree, other)]
+    assert [i for i, _ in ids[0]] == [i for i, _ in ids[1]] == [
+        f"0000:{bus}:00.0-p{p}" for bus in ("11", "2f") for p in range(4)]
+    assert ids[0] != ids[1]
+
+
+def test_partitions_whose_location_ids_cannot_tell_them_apart_go_by_render_minor(
+        tmp_path: Path) -> None:
+    """No kernel writes one location_id for two partitions, but should one: their GPU's
+    PCI function, numbered in the order amdgpu creates them (render minor), and neither
+    shared id as an alias."""
     tree = _tree(tmp_path, 0)
     _gpu(tree, 1, 0x11, 129, uid=0xABC)
     _gpu(tree, 2, 0x11, 128, uid=0xABC)
     _gpu(tree, 3, 0x2F, 130, uid=0xDEF)
     found = amd.discover(tree.root)
-    assert [(d.name, d.attributes["drm_render_minor"], d.uuid, d.aliases)
+    assert [(d.name, d.attributes["drm_render_minor"], d.uuid, d.aliases, d.stable_id)
             for d in found.devices] == [
-        ("0", "128", "", ("renderD128",)),
-        ("1", "129", "", ("renderD129",)),
-        ("2", "130", "GPU-0000000000000def", ("renderD130", "0000:2f:00.0", "0x0000000000000def")),
+        ("0", "128", "", ("renderD128",), "0000:11:00.0-p0"),
+        ("1", "129", "", ("renderD129",), "0000:11:00.0-p1"),
+        ("2", "130", "GPU-0000000000000def", ("renderD130", "0000:2f:00.0",
+                                             "0x0000000000000def"), "GPU-0000000000000def"),
     ]
+
+
+def test_partitions_through_the_device_plugin_and_the_engine(tmp_path: Path) -> None:
+    """The device plugin's IDs are the partitions' ids (one per partition, none left
+    out), and what its Allocate grants, the Engine grants: those partitions, recorded
+    under the same ids."""
+    from nri_accel.config import Config, PolicyConfig
+    from nri_accel.container import ContainerInfo
+    from nri_accel.deviceplugin.resources import allocate, resources_from_inventory
+    from nri_accel.discover import assemble
+    from nri_accel.engine import Engine
+
+    tree = _tree(tmp_path, 0)
+    _cpx(tree, 1, 0x11, 128, 0xABC, 8)
+    inventory = assemble([("amd", True, amd.discover(tree.root))])
+    assert inventory.problems == ()
+    (resource,), problems = resources_from_inventory(inventory, Config())
+    assert problems == ()
+    assert [d.id for d in resource.devices] == [f"0000:11:00.0-p{p}" for p in range(8)]
+    grant = allocate(resource, ["0000:11:00.0-p5", "0000:11:00.0-p2"])
+    info = ContainerInfo(namespace="ns", pod_name="p", pod_uid="u", container_name="c",
+                         container_id="c1", pod_annotations={},
+                         container_annotations=grant.annotations, env=())
+    engine = Engine(inventory, Config(policy=PolicyConfig(mode="kubernetes")))
+    plan = engine.plan(info)
+    assert [d.name for d in plan.devices] == ["2", "5"]
+    assert plan.annotations["nri-accel.io/granted"] == (
+        "amd.com/gpu=0000:11:00.0-p2,amd.com/gpu=0000:11:00.0-p5")
 
 
 def test_gpu_nodes_without_render_minor_or_location_are_skipped(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 
@@ -11,7 +12,8 @@ from fakes.roots import materialise
 from hosttree import HostTree
 
 from nri_accel.app import App
-from nri_accel.config import Config, DiscoveryConfig, StaticDevice
+from nri_accel.cli import main as cli_main
+from nri_accel.config import Config, DiscoveryConfig, StaticDevice, load_config
 from nri_accel.discover import assemble, discover, host_root
 from nri_accel.discover.base import Found
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Inventory, Problem
@@ -19,6 +21,8 @@ from nri_accel.vendors import neuron
 from nri_accel.vendors.neuron import KIND as KIND_NEURON
 from nri_accel.vendors.neuron import KIND_CORE
 from nri_accel.vendors.nvidia import KIND_GPU
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "discover"
 
 
 def _dev(kind: str, name: str, *, origin: str = "", vendor: str = "") -> Device:
@@ -144,3 +148,73 @@ def test_fake_roots_discover_deterministically(tmp_path: Path) -> None:
     assert isinstance(a, Inventory) and len(a.of_kind(KIND_NEURON)) == 16
     node = a.find(KIND_NEURON, "15").edits.device_nodes[0]
     assert node == DeviceNode("/dev/neuron15", 241, 15)
+
+
+# ---- two devices with one identity ---------------------------------------------------
+
+def test_a_uuid_reported_twice_keeps_the_first_device() -> None:
+    """A driver bug (one UUID for two GPUs) would have the Engine grant one device twice:
+    the later GPU is left out, with a Problem naming both and where each comes from."""
+    gpu = partial(Device, KIND_GPU, vendor="nvidia")
+    inv = assemble([
+        ("nvidia", True, Found(devices=(gpu("0", uuid="GPU-1"), gpu("1", uuid="GPU-1"),
+                                        gpu("2", uuid="GPU-2")))),
+        ("cdi", False, Found(devices=(_dev("acme.example/npu", "npu0", origin="/etc/cdi/a.yaml"),
+                                      _dev("acme.example/npu", "NPU0", origin="/etc/cdi/b.yaml")))),
+    ])
+    assert [d.qualified_name for d in inv.devices] == [
+        "acme.example/npu=npu0", "nvidia.com/gpu=0", "nvidia.com/gpu=2"]
+    assert [(p.source, p.message) for p in inv.problems] == [
+        ("nvidia", "nvidia.com/gpu=1 is ignored: its UUID 'GPU-1' is also the UUID of "
+                   "nvidia.com/gpu=0 (from nvidia): two devices with one identity"),
+        ("/etc/cdi/b.yaml", "acme.example/npu=NPU0 is ignored: its name 'NPU0' is also the "
+                            "name of acme.example/npu=npu0 (from /etc/cdi/a.yaml): two "
+                            "devices with one identity"),
+    ]
+    assert Inventory.from_json(inv.to_json()) == inv  # what discovery keeps loads
+
+
+def _spec(kind: str, *devices: tuple[str, str]) -> str:
+    return yaml.safe_dump({"cdiVersion": "0.5.0", "kind": kind, "devices": [
+        {"name": name, "containerEdits": {"deviceNodes": [{"path": node}]}}
+        for name, node in devices]})
+
+
+def test_cdi_specs_naming_one_device_twice_end_to_end(tmp_path: Path, capsys) -> None:
+    """The cdi-only node (its golden config: static FPGA fpga0) with two more spec files
+    that name devices already named: FPGA0 (the static fpga0 in another case, which
+    find() and requests match alike), and one PCI function in two spellings, across
+    files and within one. Discovery keeps the first of each (static before CDI,
+    /etc/cdi before /var/run/cdi, file order), `discover` and `check` report the rest,
+    and what it keeps is a valid inventory."""
+    root = materialise("cdi-only", tmp_path / "node")
+    config = GOLDEN / "cdi-only.config.toml"
+    (Path(root.root) / "etc/cdi/xilinx-a.yaml").write_text(
+        _spec("xilinx.com/fpga", ("0000:3b:00.0", "/dev/xdma1_user")))
+    (Path(root.root) / "var/run/cdi/xilinx-b.yaml").write_text(_spec(
+        "xilinx.com/fpga", ("0:3B:0.0", "/dev/xdma1_user"), ("FPGA0", "/dev/xdma0_user"),
+        ("fpga9", "/dev/xdma0_control")))
+    inv = discover(root, load_config(str(config)))
+    assert [d.name for d in inv.of_kind("xilinx.com/fpga")] == [
+        "0000:3b:00.0", "fpga0", "fpga9"]
+    assert inv.find("xilinx.com/fpga", "FPGA0").attributes["origin"] == "config"
+    ignored = [(p.source, p.message) for p in inv.problems if "is ignored" in p.message]
+    assert ignored == [
+        ("/var/run/cdi/xilinx-b.yaml",
+         "xilinx.com/fpga=0:3B:0.0 is ignored: its name '0:3B:0.0' is also the name of "
+         "xilinx.com/fpga=0000:3b:00.0 (from /etc/cdi/xilinx-a.yaml): two devices with one "
+         "identity"),
+        ("/var/run/cdi/xilinx-b.yaml",
+         "xilinx.com/fpga=FPGA0 is ignored: its name 'FPGA0' is also the name of "
+         "xilinx.com/fpga=fpga0 (from static device xilinx.com/fpga=fpga0): two devices "
+         "with one identity"),
+    ]
+    assert Inventory.from_json(inv.to_json()) == inv
+
+    args = ["--root", root.root, "--config", str(config)]
+    assert cli_main(["discover", *args]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {source}: {message}" in out for source, message in ignored)
+    cli_main(["check", *args, "--socket", str(tmp_path / "nri.sock"), "--timeout", "0.1"])
+    out = capsys.readouterr().out
+    assert all(f"warn: {source}: {message}" in out for source, message in ignored)

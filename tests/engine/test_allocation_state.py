@@ -314,3 +314,72 @@ def test_a_holder_whose_id_is_its_name_is_named_once():
                               cid="ns/b/c"))
     assert "is held by ns/a/c:" in e.value.message
     assert "(id" not in e.value.message
+
+
+# ---- AMD compute partitions ---------------------------------------------------------------
+
+def cpx_inventory() -> Inventory:
+    """An MI300X node's first two GPUs in CPX mode, as the AMD discoverer lists them: 8
+    partitions each, named 0-15 in PCI order, each with its own render node, its GPU's
+    PCI function and its index in it, and no UUID (they share the GPU's unique_id)."""
+    from types import MappingProxyType
+
+    from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver
+
+    devices = []
+    for g, bus in enumerate(("0000:11:00.0", "0000:2f:00.0")):
+        for p in range(8):
+            n = 8 * g + p
+            devices.append(Device(
+                kind="amd.com/gpu", name=str(n), aliases=(f"renderD{128 + n}",),
+                edits=ContainerEdits(device_nodes=(DeviceNode(f"/dev/dri/renderD{128 + n}",
+                                                              226, 128 + n),)),
+                numa_node=0, pci_bus_id=bus, partition=p, vendor="amd"))
+    return Inventory(devices=tuple(devices), drivers=MappingProxyType({"amd": Driver("amd")}))
+
+
+def test_two_containers_each_get_one_partition_of_the_same_gpu(tmp_path: Path):
+    """A partition held is that partition alone: its siblings on the same GPU stay free
+    (one key per partition: on a CPX node all 8 of a GPU are usable), the grant
+    annotation names each apart, and a restart (checkpoint or Synchronize) keeps them
+    apart: neither held partition is granted again, every other one still is."""
+    engine = Engine(cpx_inventory(), standalone())
+    a = admit(engine, allocated("amd.com/gpu=0", cid="a"))
+    b = admit(engine, allocated("amd.com/gpu=1", cid="b"))
+    assert [d.pci_bus_id for d in a.devices + b.devices] == ["0000:11:00.0"] * 2
+    assert held(engine) == {"a": ("amd.com/gpu=0",), "b": ("amd.com/gpu=1",)}
+    assert a.annotations["nri-accel.io/granted"] == "amd.com/gpu=0000:11:00.0-p0"
+    assert b.annotations["nri-accel.io/granted"] == "amd.com/gpu=0000:11:00.0-p1"
+    with pytest.raises(AllocationError, match="is held by default/pod/main-a"):
+        admit(engine, allocated("amd.com/gpu=0", cid="x"))
+
+    checkpoint = _checkpoint(tmp_path)
+    checkpoint.save(engine.holdings.to_json(checkpoint.boot_id))
+    restored = Engine(cpx_inventory(), standalone())
+    restored.load_checkpoint(*_checkpoint(tmp_path).load())
+    synchronized = Engine(cpx_inventory(), standalone())
+    synchronized.restore_grants(synchronized.grants_in(
+        container(cid=p.grant.container_id, annotations=dict(p.annotations))
+        for p in (a, b)))
+    for again in (restored, synchronized):
+        assert held(again) == held(engine)
+        rest = admit(again, allocated("amd.com/gpu: 14", cid="c"))
+        assert sorted(int(d.name) for d in rest.devices) == list(range(2, 16))
+
+
+def test_a_partition_key_from_before_partitions_had_an_index_holds_its_whole_gpu():
+    """Before, every partition of a GPU had the GPU's key (kind and PCI bus id). A
+    container still running with that grant (its annotation, a checkpoint) holds every
+    partition of that GPU until it ends, not none: no partition it may use is granted
+    again; the other GPU's are."""
+    engine = Engine(cpx_inventory(), standalone())
+    engine.restore_grants(engine.grants_in([container(
+        cid="old", annotations={"nri-accel.io/granted": "amd.com/gpu=0000:11:00.0"})]))
+    with pytest.raises(AllocationError, match="is held by default/pod/main-old"):
+        admit(engine, allocated("amd.com/gpu=3", cid="x"))
+    rest = admit(engine, allocated("amd.com/gpu: 8", cid="c"))
+    assert {d.pci_bus_id for d in rest.devices} == {"0000:2f:00.0"}
+    with pytest.raises(AllocationError, match="only 0 of"):
+        admit(engine, allocated("amd.com/gpu: 1", cid="d"))
+    engine.release("old")
+    assert len(admit(engine, allocated("amd.com/gpu: 8", cid="e")).devices) == 8
