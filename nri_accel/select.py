@@ -114,13 +114,18 @@ class DeviceIndex:
         for p in PROFILES:
             members.update(p.members)
         self._members = MappingProxyType(members)
-        pci: dict[tuple[str, tuple[int, int, int, int]], Device] = {}
-        for d in devices:
-            for ident in (d.pci_bus_id, *d.aliases):
+        # A PCI address names the device of its kind that answers to it (an alias), or
+        # whose own PCI function it is; not a part (a MIG device, a compute partition),
+        # which carries its GPU's address, nor any device where several share it.
+        pci: dict[tuple[str, tuple[int, int, int, int]], set[int]] = {}
+        for i, d in enumerate(devices):
+            whole = not d.parent and d.partition is None
+            for ident in ((d.pci_bus_id,) if whole else ()) + d.aliases:
                 key = parse_pci_bus_id(ident) if ident else None
                 if key is not None:
-                    pci.setdefault((d.kind, key), d)
-        self._pci = MappingProxyType(pci)
+                    pci.setdefault((d.kind, key), set()).add(i)
+        self._pci = MappingProxyType({k: devices[next(iter(found))]
+                                      for k, found in pci.items() if len(found) == 1})
         all_: dict[str, tuple[int, ...]] = {}
         countable: dict[str, tuple[int, ...]] = {}
         for kind in inventory.kinds():
