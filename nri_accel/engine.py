@@ -15,11 +15,12 @@ answer is known to be deliverable (nri_accel.plugin checks the adjustment's size
 so an answer that cannot be sent holds nothing.
 
 Allocation state (nri_accel.state.Holdings, keyed by Device.key: kind and UUID, else
-partition id, else PCI bus id, else the spec's name): commit() records, release() and release_pod() drop,
-restore_grants() rebuilds from what grants_in() reads of the runtime's list of running
-containers (handed to it in restore_slices(), the event loop free in between): the
-annotations a Plan adds to each (what the holdings already say of a listed container
-that carries none is kept: a runtime may not hand the annotations back):
+partition id, else PCI bus id, else the spec's name): commit() records, release() and
+release_pod() drop, restore_grants() rebuilds from what grants_in() reads of the
+runtime's list of running containers (handed to it in restore_slices(), the event loop
+free in between): the annotations a Plan adds to each (what the holdings already say of
+a listed container that carries none is kept: a runtime may not hand the annotations
+back):
 
     nri-accel.io/granted: Device.key of every device granted, sorted, comma separated
     nri-accel.io/shared:  those of them used shared (absent when none)

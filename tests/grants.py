@@ -25,6 +25,6 @@ def held(engine: Engine) -> dict[str, tuple[str, ...]]:
 
 
 def key(inventory: Inventory, qualified: str) -> str:
-    """The holdings key (Device.key: kind and UUID, partition id, PCI bus id or name) of a device named
-    by its qualified name ("nvidia.com/gpu=0")."""
+    """The holdings key (Device.key: kind and UUID, partition id, PCI bus id or name) of a
+    device named by its qualified name ("nvidia.com/gpu=0")."""
     return next(d.key for d in inventory.devices if d.qualified_name == qualified)
