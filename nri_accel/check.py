@@ -211,6 +211,8 @@ def _registration_finding(state_dir: str) -> Finding | None:
     if status.usable():
         return "info", (f"nri-accel run (pid {status.pid}) is registered as {status.plugin} "
                         f"with {status.runtime or 'the runtime'}")
+    if status.problem:  # a file there that `run` could not have written
+        return "warn", status.why_not()
     if status.heartbeat:
         return "info", status.why_not()
     return None

@@ -3,7 +3,9 @@ the node state `run` shares with the device plugin.
 
 Owns: Grant, Holdings (the allocation state and THE exclusivity rule), the checkpoint
 file format, its atomic write and its writer (CheckpointWriter: after each change, off
-the event loop), and the NRI side's registration record (NriStatus).
+the event loop), and the NRI side's registration record (NriStatus: its format, its
+write, and a read that never blocks, never raises and reads anything malformed as
+not registered, saying why).
 Imports the standard library, msgspec, nri_accel.errors and nri_accel.log. Holdings is pure
 in-memory state; only Checkpoint and NriStatus touch files, and nothing here runs on the
 CreateContainer path except Holdings' dictionary work.
@@ -51,13 +53,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import json
+import math
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping
 from typing import Any
 
+import msgspec
 from msgspec import Struct, field
 
 from nri_accel.errors import AllocationError, ConfigError, StateError
@@ -492,34 +498,62 @@ def boottime() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+class _NriRecord(Struct, frozen=True):
+    """The fields of `<state dir>/nri-plugin.json`, all required, of these types."""
+
+    registered: bool
+    runtime: str
+    plugin: str
+    pid: int
+    heartbeat: float
+
+
 class NriStatus(Struct, frozen=True):
     """The NRI side's registration as `run` records it for the device plugin
     (`<state dir>/nri-plugin.json`): written on every change and refreshed every
-    HEARTBEAT seconds while it runs."""
+    HEARTBEAT seconds while it runs, always by rename, so the file is a regular file of
+    about 120 bytes.
+
+    load() reads it without trusting it: opened non-blocking and without following a
+    symbolic link, it must be a regular file of at most MAX_BYTES holding a JSON object
+    with every field of the right type and a finite heartbeat. Anything else (a FIFO, a
+    device, a directory, a symlink, a huge or truncated file, bad JSON) reads as not
+    registered, `problem` saying what is wrong with the file, and never raises: the
+    device plugin reads it on its event loop at every poll and request."""
 
     registered: bool
     runtime: str = ""  # "containerd v2.3.4"
     plugin: str = ""  # "40-nri-accel"
     pid: int = 0
     heartbeat: float = 0.0  # boottime() of the last write
+    problem: str = ""  # load(): why the file there is not a record (never saved)
 
     HEARTBEAT = 2.0  # seconds between writes while `run` lives
     STALE = 10.0  # a record older than this means `run` is gone (the grace period)
+    FUTURE = 1.0  # a record this far ahead of the clock is not believed
+    MAX_BYTES = 64 << 10  # the largest record read; `run` writes about 120 bytes
 
     def fresh(self, now: float | None = None) -> bool:
         age = (boottime() if now is None else now) - self.heartbeat
-        return -1.0 <= age <= self.STALE
+        return -self.FUTURE <= age <= self.STALE
 
     def usable(self, now: float | None = None) -> bool:
         """The NRI side is registered with the runtime and alive."""
         return self.registered and self.fresh(now)
 
     def why_not(self, now: float | None = None) -> str:
+        if self.problem:
+            return self.problem
         if not self.heartbeat:
             return "no `nri-accel run` has recorded its state on this node"
+        age = (boottime() if now is None else now) - self.heartbeat
+        if age < -self.FUTURE:
+            return (f"`nri-accel run` (pid {self.pid}) recorded its state {-age:.0f} s in "
+                    "the future of this node's boot clock (a record from an earlier boot, "
+                    "or a writer with another clock); not believed until `run` writes it "
+                    "again")
         if not self.fresh(now):
-            return (f"`nri-accel run` (pid {self.pid}) stopped updating its state "
-                    f"{(boottime() if now is None else now) - self.heartbeat:.0f} s ago")
+            return f"`nri-accel run` (pid {self.pid}) stopped updating its state {age:.0f} s ago"
         if not self.registered:
             return "`nri-accel run` is not registered with the container runtime"
         return ""
@@ -540,15 +574,77 @@ class NriStatus(Struct, frozen=True):
 
     @classmethod
     def load(cls, state_dir: str) -> NriStatus:
-        """The recorded status; an absent or unreadable record reads as not registered."""
+        """The recorded status. An absent record reads as not registered (no `problem`:
+        `run` has not written one yet), one that cannot be read or is not a record as
+        not registered with a `problem` naming the file and what is wrong with it."""
+        path = os.path.join(state_dir, NRI_STATUS_FILE)
         try:
-            with open(os.path.join(state_dir, NRI_STATUS_FILE), encoding="utf-8") as f:
-                data: Mapping[str, Any] = json.load(f)
-            return cls(registered=data["registered"] is True, runtime=str(data["runtime"]),
-                       plugin=str(data["plugin"]), pid=int(data["pid"]),
-                       heartbeat=float(data["heartbeat"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            data = _read_small_file(path, cls.MAX_BYTES)
+        except FileNotFoundError:
             return cls(registered=False)
+        except _NotARecord as e:
+            return cls._malformed(path, str(e))
+        except OSError as e:
+            return cls._malformed(path, f"cannot be read: {e.strerror or e}")
+        try:
+            rec = _NRI_DECODER.decode(data)
+        except (ValueError, RecursionError) as e:  # msgspec's errors are ValueErrors
+            return cls._malformed(path, f"is not a valid record: {str(e)[:200]}")
+        if not math.isfinite(rec.heartbeat) or rec.heartbeat <= 0:
+            return cls._malformed(path, f"is not a valid record: heartbeat {rec.heartbeat}")
+        return cls(registered=rec.registered, runtime=rec.runtime, plugin=rec.plugin,
+                   pid=rec.pid, heartbeat=rec.heartbeat)
+
+    @classmethod
+    def _malformed(cls, path: str, what: str) -> NriStatus:
+        return cls(registered=False, problem=(
+            f"{path} exists but {what}: not a record of `nri-accel run` (which writes a "
+            "small JSON file there every few seconds while it runs)"))
+
+
+_NRI_DECODER = msgspec.json.Decoder(_NriRecord)
+
+
+class _NotARecord(Exception):
+    """The file at a record's path is not one `run` could have written."""
+
+
+_FILE_TYPES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"))
+
+
+def _read_small_file(path: str, limit: int) -> bytes:
+    """The bytes of the regular file at `path`, at most `limit` of them, read without
+    blocking on whatever else may sit there: opened O_NONBLOCK (a FIFO does not wait for
+    a writer) and O_NOFOLLOW (a symlink is refused: `run` renames a regular file into
+    place, so a link there is never its record, and following one could reach
+    /dev/zero), its type checked on the open descriptor. Raises FileNotFoundError when
+    nothing is there, _NotARecord for anything but a regular file of at most `limit`
+    bytes, OSError when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _NotARecord("is a symbolic link, not a regular file") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _FILE_TYPES if test(st.st_mode)),
+                        "not a regular file")
+            raise _NotARecord(f"is {kind}, not a regular file")
+        if st.st_size > limit:
+            raise _NotARecord(f"holds {st.st_size} bytes, more than a record's {limit}")
+        chunks, size = [], 0
+        while chunk := os.read(fd, limit + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:  # grew since fstat
+                raise _NotARecord(f"holds more than a record's {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 class CheckpointWriter:

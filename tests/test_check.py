@@ -36,6 +36,7 @@ from nri_accel.nri.simulator import (
     make_pod,
 )
 from nri_accel.nri.stub import LINGER, Identity, RuntimeInfo, Stub, event_bit
+from nri_accel.state import NRI_STATUS_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "nri_accel" / "demo" / "inventory.json"
@@ -567,3 +568,18 @@ def test_go_durations(text, seconds) -> None:
 def test_not_go_durations(text) -> None:
     with pytest.raises(ValueError):
         rc.parse_duration(text)
+
+
+def test_a_malformed_registration_record_is_a_warning_naming_it(tmp_path, capsys) -> None:
+    """A state file that `run` could not have written (nri_accel.state.NriStatus: here a
+    pid out of range) is said, not passed over as if no run had ever recorded one."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / NRI_STATUS_FILE).write_text('{"pid": 1e999}')
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{state}"\n[policy]\nmode = "standalone"\n')
+    main(["check", "--config", str(cfg), "--socket", str(tmp_path / "none.sock"),
+          "--inventory", str(Path(__file__).parent / "golden" / "discover" / "h100.json")])
+    out = capsys.readouterr().out
+    (line,) = [ln for ln in out.splitlines() if NRI_STATUS_FILE in ln]
+    assert line.startswith("warn: ") and "exists but is not a valid record" in line

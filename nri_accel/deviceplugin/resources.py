@@ -1,8 +1,10 @@
 """Kubelet resources from the Inventory, preferred allocations and the grant annotation.
 
 Owns: which extended resources nri-accel advertises and under which device IDs, the
-choice of a preferred allocation, and the trusted grant annotation that Allocate writes
-(its key and value; nri_accel.request reads it back). Pure functions over
+choice of a preferred allocation, the trusted grant annotation that Allocate writes
+(its key and value; nri_accel.request reads it back), the size limits of a request
+(request_size_problem) and how device IDs are quoted in messages and logs (shown_id,
+shown_ids: truncated, whatever a request names). Pure functions over
 frozen records: no grpc, no I/O. Imports the standard library, msgspec, nri_accel.config,
 nri_accel.errors, nri_accel.inventory, nri_accel.request (the grant annotation key),
 nri_accel.select (the replica ID separator), nri_accel.topology (the choice itself,
@@ -21,13 +23,14 @@ Resources (one kubelet device plugin each) are what each family's profile names
   NVIDIA's plugin; the MIG resources take the name of `nvidia.com/mig` + "-<profile>"),
   "" leaves a kind out.
 A device's kubelet ID is what stays true of it (Device.stable_id: its UUID, else its
-partition id, else its PCI bus id, else its name), never an index a renumbering could shift. With time-slicing
-(`replicas` N for a resource) each device is advertised N times, as "<id>::<n>" for n
-in 0..N-1 (NVIDIA's annotated IDs); the grant names the replica, which `run` resolves to
-the device, used shared (nri_accel.select). Anything that cannot be advertised (no MIG
-profile, a name kubelet would refuse, an ID over 63 characters, an ID the resource has
-already) is left out with a Problem naming it. A device is Unhealthy when the inventory
-says so or a health watch does (`unhealthy`, Device.key -> reason).
+partition id, else its PCI bus id, else its name), never an index a renumbering could
+shift. With time-slicing (`replicas` N for a resource) each device is advertised N
+times, as "<id>::<n>" for n in 0..N-1 (NVIDIA's annotated IDs); the grant names the
+replica, which `run` resolves to the device, used shared (nri_accel.select). Anything
+that cannot be advertised (no MIG profile, a name kubelet would refuse, an ID over 63
+characters, an ID the resource has already) is left out with a Problem naming it. A
+device is Unhealthy when the inventory says so or a health watch does (`unhealthy`,
+Device.key -> reason).
 
 The grant: kubelet copies the annotations of each Allocate response into the container's
 CRI annotations, where pod authors cannot write. When a container uses two resources,
@@ -56,14 +59,20 @@ from nri_accel.topology import Topology, choose
 from nri_accel.vendors import PROFILES, family_of, parent_of
 
 __all__ = [
-    "HEALTHY", "MAX_DEVICE_ID", "UNHEALTHY", "Grant", "PluginDevice", "Resource", "allocate",
-    "extended_resource_name_error", "grant_annotation_key", "preferred_allocation",
-    "resources_from_inventory",
+    "HEALTHY", "MAX_CONTAINER_REQUESTS", "MAX_DEVICE_ID", "UNHEALTHY", "Grant",
+    "PluginDevice", "Resource", "allocate", "extended_resource_name_error",
+    "grant_annotation_key", "preferred_allocation", "request_size_problem",
+    "resources_from_inventory", "shown_id", "shown_ids",
 ]
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
+# Container requests in one Allocate or GetPreferredAllocation: kubelet sends one (it
+# allocates container by container); each costs a log line, so more is refused.
+MAX_CONTAINER_REQUESTS = 16
+_SHOWN_ID = 80  # characters of a device ID quoted in a message or log line
+_SHOWN_IDS = 8  # device IDs quoted from a list
 
 
 class PluginDevice(Struct, frozen=True):
@@ -226,6 +235,37 @@ def grant_annotation_key(resource_name: str) -> str:
     return GRANT_KEY_PREFIX + resource_name.replace("/", "_")
 
 
+def shown_id(device_id: str) -> str:
+    """`device_id` as a message or log line quotes it: its first 80 characters."""
+    return device_id if len(device_id) <= _SHOWN_ID else device_id[:_SHOWN_ID] + "..."
+
+
+def shown_ids(device_ids: Sequence[str]) -> list[str]:
+    """The first few of `device_ids` (each shown_id), then "... (N more)" if there are
+    more: a log line stays short whatever a request names."""
+    shown = [shown_id(d) for d in device_ids[:_SHOWN_IDS]]
+    if len(device_ids) > _SHOWN_IDS:
+        shown.append(f"... ({len(device_ids) - _SHOWN_IDS} more)")
+    return shown
+
+
+def request_size_problem(resource: Resource, containers: int, id_counts: Iterable[int]) -> str:
+    """Why a request is refused before any work (INVALID_ARGUMENT), "" when it is not:
+    `containers` container requests, `id_counts` the number of device IDs each names
+    (the longest of its lists; not looked at when there are too many containers). At
+    most MAX_CONTAINER_REQUESTS container requests, each naming at most as many IDs as
+    the resource advertises (kubelet names only advertised IDs, each once)."""
+    if containers > MAX_CONTAINER_REQUESTS:
+        return (f"{resource.name}: {containers} container requests in one call, more "
+                f"than the limit of {MAX_CONTAINER_REQUESTS} (kubelet sends one)")
+    limit = len(resource.devices)
+    for n in id_counts:
+        if n > limit:
+            return (f"{resource.name}: a container request names {n} device IDs, more than "
+                    f"the {limit} this resource advertises")
+    return ""
+
+
 def allocate(resource: Resource, device_ids: Iterable[str]) -> Grant:
     """The grant for one container's devices (inventory order, de-duplicated).
 
@@ -234,8 +274,7 @@ def allocate(resource: Resource, device_ids: Iterable[str]) -> Grant:
     positions = set()
     for did in device_ids:
         if resource.device(did) is None:
-            shown = did if len(did) <= 80 else did[:80] + "..."
-            raise AllocationError(f"unknown device ID {shown!r}", source=resource.name)
+            raise AllocationError(f"unknown device ID {shown_id(did)!r}", source=resource.name)
         positions.add(resource.position(did))
     devices = [resource.devices[i] for i in sorted(positions)]
     value = ",".join(d.qualified_name for d in devices)

@@ -1,9 +1,10 @@
 """The kubelet device plugin over grpcio: `nri-accel device-plugin`.
 
 Owns: one gRPC server per resource on a unix socket in the kubelet device-plugin
-directory, registration with kubelet, re-registration when kubelet restarts, inventory
-and health updates streamed to kubelet, failing closed while the NRI side is away, the
-health watches' reports, the metrics of the process, clean shutdown. Imports grpc
+directory, the one-plugin-per-directory lock, registration with kubelet,
+re-registration when kubelet restarts, inventory and health updates streamed to
+kubelet, failing closed while the NRI side is away, the refusal of oversized requests,
+the health watches' reports, the metrics of the process, clean shutdown. Imports grpc
 (nri_accel/deviceplugin is the only package that does) and the generated
 deviceplugin_pb2/_grpc, nri_accel.deviceplugin.resources (the pure decisions), app,
 config, errors, health (the families' health watches), inventory, log, metrics (the
@@ -18,6 +19,19 @@ When kubelet restarts it deletes every socket in its directory and creates kubel
 anew: a poll (one stat of kubelet.sock and of each plugin socket per interval) notices
 either, serves again on a fresh socket where it was deleted and registers again.
 
+One device plugin per kubelet directory: it holds an exclusive flock on the directory
+itself from start to stop (DevicePlugins._lock_directory). A second one (a DaemonSet
+rolling update starts the new pod while the old one still terminates) waits for it,
+not ready, one log line (`kubelet_dir_busy`, the other's pid where its sockets show
+it), and serves as soon as the first exits. A socket found at start is removed only
+when no one accepts connections on it (a process that died left it); a live one, of a
+process without the lock, is never taken over (serve_failed, retried with backoff).
+
+Requests are bounded before any work (resources.request_size_problem: at most
+MAX_CONTAINER_REQUESTS container requests, each naming at most as many IDs as the
+resource advertises; INVALID_ARGUMENT), and device IDs are logged truncated
+(resources.shown_ids), so no request holds the event loop or floods the log.
+
 Allocate answers only the grant annotation (and CDI device names with
 devices.cdi_passthrough, for CDI-family devices): `run` injects everything else, so no
 device reaches a container without the NRI side's own checks (holdings, health, trust).
@@ -28,8 +42,10 @@ one resource's devices, which `run` then reads as a narrowing.
 
 Fails closed: `run` records its registration with the runtime in
 `<state dir>/nri-plugin.json` (nri_accel.state.NriStatus, written every 2 s). It is
-read every poll interval (1 s) and at each Allocate and PreStartContainer. While it is
-absent, stale (10 s) or not registered:
+read every poll interval (1 s) and at each Allocate and PreStartContainer, on the event
+loop: NriStatus.load never blocks (non-blocking open, regular files only, at most 64
+KiB) and never raises. While it is absent, malformed (anything `run` cannot have
+written, named in the reason), stale (10 s), from the future or not registered:
 - ListAndWatch reports every device Unhealthy, so kubelet admits no new pod asking for
   one (a pod already admitted keeps its devices: kubelet does not re-Allocate);
 - Allocate fails with FAILED_PRECONDITION and the reason (kubelet fails the pod's
@@ -54,9 +70,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import os
 import signal
+import socket
 import stat
+import struct
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -73,7 +92,9 @@ from nri_accel.deviceplugin.resources import (
     Resource,
     allocate,
     preferred_allocation,
+    request_size_problem,
     resources_from_inventory,
+    shown_ids,
 )
 from nri_accel.errors import AllocationError, ConfigError
 from nri_accel.health import HealthWatches
@@ -108,6 +129,28 @@ def _socket_id(path: str) -> _SocketId | None:
     except OSError:
         return None
     return (st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
+
+
+def _listener(path: str) -> int | None:
+    """Who listens on the unix socket at `path`: its pid (0 when not known: another pid
+    namespace, or a full backlog), None when no one does (a socket left by a process
+    that died refuses connections; no socket there). One non-blocking connect()."""
+    s = socket.socket(socket.AF_UNIX,
+                      socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        try:
+            s.connect(path)
+        except BlockingIOError:  # EAGAIN: listening, its backlog full
+            return 0
+        except OSError:
+            return None
+        try:
+            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            return 0
+        return struct.unpack("3i", creds)[0]
+    finally:
+        s.close()
 
 
 def _device_list(resource: Resource, closed: bool) -> pb2.ListAndWatchResponse:
@@ -172,8 +215,11 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
 
     def _preferred(self, request: Any) -> pb2.PreferredAllocationResponse:
         resource = self._endpoint.resource
+        creqs = request.container_requests
+        _check_size("get_preferred_allocation_refused", resource, len(creqs), (
+            max(len(c.available_deviceIDs), len(c.must_include_deviceIDs)) for c in creqs))
         out = pb2.PreferredAllocationResponse()
-        for creq in request.container_requests:
+        for creq in creqs:
             ids = preferred_allocation(resource, creq.available_deviceIDs,
                                        creq.must_include_deviceIDs, creq.allocation_size)
             out.container_responses.add(deviceIDs=ids)
@@ -181,10 +227,13 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
 
     def _allocate(self, request: Any) -> pb2.AllocateResponse:
         resource = self._endpoint.resource
+        creqs = request.container_requests
+        _check_size("allocate_refused", resource, len(creqs),
+                    (len(c.devices_ids) for c in creqs))
         self._require_nri("allocate_refused", resource.name,
-                          [list(c.devices_ids) for c in request.container_requests])
+                          [shown_ids(c.devices_ids) for c in creqs])
         out = pb2.AllocateResponse()
-        for creq in request.container_requests:
+        for creq in creqs:
             try:
                 grant = allocate(resource, creq.devices_ids)
             except AllocationError as e:
@@ -201,10 +250,12 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
 
     def _pre_start(self, request: Any) -> pb2.PreStartContainerResponse:
         self._require_nri("pre_start_refused", self._endpoint.resource.name,
-                          list(request.devices_ids))
+                          shown_ids(request.devices_ids))
         return pb2.PreStartContainerResponse()
 
-    def _require_nri(self, event: str, resource: str, devices: Any) -> None:
+    def _require_nri(self, event: str, resource: str, devices: list[Any]) -> None:
+        """Refuse (FAILED_PRECONDITION) while the NRI side is away; `devices`, what the
+        request names, is logged (shown_ids: truncated)."""
         why = self._plugins.check_nri()
         if why:
             log.warning(event, resource=resource, devices=devices, reason=why)
@@ -212,6 +263,15 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
                            f"{resource}: {why}; nri-accel's device plugin fails closed "
                            "until `nri-accel run` is registered with the container runtime "
                            "on this node")
+
+
+def _check_size(event: str, resource: Resource, containers: int, id_counts: Any) -> None:
+    """Refuse (INVALID_ARGUMENT, one log line) a request over the limits of
+    resources.request_size_problem, before any other work."""
+    problem = request_size_problem(resource, containers, id_counts)
+    if problem:
+        log.warning(event, resource=resource.name, error=problem)
+        raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
 
 class _Endpoint:
@@ -241,7 +301,12 @@ class _Endpoint:
             if not stat.S_ISSOCK(st.st_mode):
                 raise ConfigError(f"{self.path} exists and is not a socket",
                                   source="--kubelet-dir")
-            os.unlink(self.path)  # left by an earlier run
+            pid = _listener(self.path)
+            if pid is not None:  # a process without the directory lock (an older version)
+                raise ConfigError(f"{self.path} is served by another process"
+                                  + (f" (pid {pid})" if pid else "") + "; not taken over",
+                                  source="--kubelet-dir")
+            os.unlink(self.path)  # left by an earlier run that died: no one listens
         server = grpc.aio.server()
         pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self, self._plugins), server)
         try:
@@ -350,6 +415,8 @@ class DevicePlugins:
         self._nri_why = "not checked yet"  # why the NRI side is not usable ("": it is)
         self._nri_checked = False  # check_nri() has logged the NRI side's state
         self._started = False
+        self._dir_fd: int | None = None  # the kubelet directory, flocked while serving
+        self._waiting = False  # for another device plugin to release the directory
 
     @property
     def resources(self) -> tuple[Resource, ...]:
@@ -387,6 +454,8 @@ class DevicePlugins:
 
     def ready(self) -> str | None:
         """None when every resource is registered with kubelet, else why not (/readyz)."""
+        if self._waiting:
+            return f"waiting for another device plugin serving {self._dir} to exit"
         if not self._started:
             return "not started"
         if self._kubelet is None:
@@ -400,9 +469,70 @@ class DevicePlugins:
         if not os.path.isdir(self._dir):
             raise ConfigError(f"{self._dir} is not a directory (is kubelet installed?)",
                               source="--kubelet-dir")
+        await self._lock_directory()
         self.check_nri()
         await self.update(self._inventory)
         self._started = True
+
+    async def _lock_directory(self) -> None:
+        """Hold an exclusive flock on the kubelet directory itself (no file of its own:
+        kubelet deletes every file there when it starts) from start() to stop(): one
+        nri-accel device plugin per directory. Two would each delete the other's live
+        sockets as stale and serve again, forever. A process holding it (the DaemonSet's
+        old pod still terminating during a rolling update, a copy started by hand) is
+        waited for without blocking the loop, trying every poll interval: the kernel
+        drops its lock when it exits, however it exits, and this one serves at the next
+        try. One log line when the wait starts (the other's pid where its sockets tell),
+        one when it ends. Where flock does not work, serves with a warning."""
+        if self._dir_fd is not None:
+            return
+        since: float | None = None
+        try:
+            fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            log.warning("kubelet_dir_lock_failed", directory=self._dir,
+                        error=e.strerror or str(e), risk="a second device plugin here "
+                        "would not be noticed")
+            return
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if since is None:
+                        since = time.monotonic()
+                        self._waiting = True
+                        log.warning("kubelet_dir_busy", directory=self._dir,
+                                    other_pids=self._other_pids() or "unknown",
+                                    effect="another nri-accel device plugin serves this "
+                                           "kubelet directory; waiting for it to exit")
+                    await asyncio.sleep(self._poll)
+        except OSError as e:  # not BlockingIOError: the loop handles that
+            os.close(fd)
+            log.warning("kubelet_dir_lock_failed", directory=self._dir,
+                        error=e.strerror or str(e), risk="a second device plugin here "
+                        "would not be noticed")
+            return
+        except BaseException:  # cancelled: stopped while waiting
+            os.close(fd)
+            raise
+        finally:
+            self._waiting = False
+        self._dir_fd = fd
+        if since is not None:
+            log.info("kubelet_dir_acquired", directory=self._dir,
+                     waited=round(time.monotonic() - since, 1))
+
+    def _other_pids(self) -> list[int]:
+        """Pids of the processes listening on nri-accel sockets in the kubelet directory
+        (where their pid namespace shows them)."""
+        pids = set()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._dir):
+                if name.startswith("nri-accel-") and name.endswith(".sock"):
+                    pids.add(_listener(os.path.join(self._dir, name)) or 0)
+        return sorted(pids - {0})
 
     async def update(self, inventory: Inventory) -> None:
         """Serve `inventory` from now on: new resources are served and registered,
@@ -493,6 +623,9 @@ class DevicePlugins:
             endpoints = [self._endpoints.pop(n) for n in sorted(self._endpoints)]
             await asyncio.gather(*(ep.close(self._grace) for ep in endpoints))
             self._started = False
+            if self._dir_fd is not None:  # after the sockets are gone: the next one starts
+                os.close(self._dir_fd)
+                self._dir_fd = None
             log.info("stopped", resources=[ep.resource.name for ep in endpoints])
 
     async def _check(self) -> None:
