@@ -94,7 +94,8 @@ class App(Struct):
 
     def load_inventory(self) -> Inventory:
         """The saved inventory (--inventory), or a discovery of the host root. Every
-        problem discovery found is logged as a warning with its reason."""
+        problem it holds is logged once, as a warning with its reason (discovery logs
+        none itself; on refresh, only those that appear or go away are logged)."""
         if self.inventory_path is not None:
             inventory = Inventory.load(self.inventory_path)
             log.info("inventory_loaded", path=self.inventory_path,
@@ -109,7 +110,7 @@ class App(Struct):
             inventory = discover(root, self.config)
             log.info("inventory_discovered", root=root.root, devices=len(inventory.devices),
                      problems=len(inventory.problems))
-        for p in inventory.problems:
+        for p in inventory.problems:  # the refresher logs only those that change
             log.warning("discovery_problem", source=p.source, problem=p.message)
         return inventory
 

@@ -33,7 +33,8 @@ Safety (defence in depth: discovery already guarantees most of it, a hand-writte
 inventory JSON may not; THE rules, which CDI spec loading and static devices call too):
 - one device or driver capability adds at most MAX_EDITS (1024) edits in all, one
   container's devices together MAX_CONTAINER_EDITS (2048);
-- paths are absolute, normalised and free of "..";
+- paths are absolute, normalised and free of "..", at most MAX_PATH_BYTES (4096, PATH_MAX)
+  bytes and MAX_PATH_COMPONENTS (256) components (path_size_problem);
 - device nodes live under /dev (container and host path) with a real major/minor, type c
   or b, and cgroup access holding r and w: through NRI the runtime allows "rw" (and runc
   "m") whatever a node asks, so a narrower CDI `permissions` ("r", "w", "m", "none") is
@@ -186,6 +187,10 @@ LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
 # costs time in proportion to its length, so it is refused before any work.
 MAX_ENV_STRING = 32 * 4096
 MAX_EDITS = 1024
+# A path longer than PATH_MAX fails every system call (ENAMETOOLONG); real device, driver
+# and library paths have under 16 components. Both bound the walk a path costs.
+MAX_PATH_BYTES = 4096
+MAX_PATH_COMPONENTS = 256
 """Device nodes, mounts, env entries and hooks that one device or one driver capability
 may add. The answer for a device set is built on its first grant, at about 3 us an
 edit, on the event loop, where every other container waits (a thousand: 3 ms; the
@@ -299,9 +304,24 @@ def check_env(kv: str) -> None:
         raise UnsafeEdit(f"env {key} may not be set by nri-accel")
 
 
+def path_size_problem(path: str) -> str:
+    """Why `path` is too long to be a path nri-accel walks ("" if it is not): over
+    MAX_PATH_BYTES bytes (the kernel's PATH_MAX) or MAX_PATH_COMPONENTS components.
+    Checked before any filesystem walk, whose cost grows with the components."""
+    if len(path) > MAX_PATH_BYTES or len(path.encode("utf-8", "surrogatepass")) \
+            > MAX_PATH_BYTES:
+        return f"is longer than {MAX_PATH_BYTES} bytes (PATH_MAX)"
+    if path.count("/") > MAX_PATH_COMPONENTS:
+        return f"has more than {MAX_PATH_COMPONENTS} components"
+    return ""
+
+
 def _check_path(path: str, what: str) -> None:
     # normpath keeps a leading "//" (POSIX leaves its meaning to the system), which would
     # let "//proc" past the prefix checks below: refused.
+    too_long = path_size_problem(path)
+    if too_long:
+        raise UnsafeEdit(f"{what} {path[:64]!r}... {too_long}")
     _check_utf8(path, what)
     if not path.startswith("/") or path.startswith("//") or "\0" in path:
         raise UnsafeEdit(f"{what} {path[:128]!r} is not an absolute path")
@@ -320,7 +340,7 @@ def check_node_path(path: str, what: str = "device node") -> None:
     /dev; else UnsafeEdit."""
     _check_path(path, what)
     if not path.startswith("/dev/"):
-        raise UnsafeEdit(f"{what} {path!r} is not under /dev")
+        raise UnsafeEdit(f"{what} {path[:128]!r} is not under /dev")
 
 
 def check_access(path: str, permissions: str) -> None:

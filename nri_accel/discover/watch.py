@@ -28,6 +28,12 @@ Inventory, never a mix. The probe is taken before discovery, so a change during
 discovery is seen at the next poll, and recorded only once discovery succeeded, so a
 failed one is retried. The task never dies of an error: it logs `refresh_failed` and
 polls again.
+
+Problems are logged when they change, not on every rediscovery (a spec rewritten every
+10 ms would otherwise repeat every other spec's problem in the log): log_problems()
+warns `discovery_problem` for each one the new Inventory has and the previous one had
+not, and logs `discovery_problem_resolved` once for each that went away. Start-up logs
+the first Inventory's (nri_accel.app); `discover` and `check` print the whole list.
 """
 
 from __future__ import annotations
@@ -100,6 +106,19 @@ class Change(Struct, frozen=True):
 
     def __bool__(self) -> bool:
         return bool(self.added or self.removed or self.changed or self.drivers)
+
+
+def log_problems(old: Inventory | None, new: Inventory) -> None:
+    """Log the problems of `new` that `old` did not have (every one when `old` is None),
+    and those of `old` that `new` no longer has."""
+    before = set(old.problems) if old is not None else set()
+    after = set(new.problems)
+    for p in new.problems:
+        if p not in before:
+            log.warning("discovery_problem", source=p.source, problem=p.message)
+    for p in old.problems if old is not None else ():
+        if p not in after:
+            log.info("discovery_problem_resolved", source=p.source, problem=p.message)
 
 
 def diff(old: Inventory, new: Inventory) -> Change:
@@ -177,6 +196,8 @@ class Refresher:
         new = carry_vanished(self.inventory,
                              await asyncio.to_thread(self._discover, self.root, self.config))
         self._state = state  # only now: a failed discovery is retried at the next poll
+        if new.problems != self.inventory.problems:
+            log_problems(self.inventory, new)
         change = diff(self.inventory, new)
         if new == self.inventory:
             log.debug("inventory_unchanged")

@@ -71,6 +71,7 @@ import json
 import os
 import re
 import stat
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import PurePosixPath
 from types import MappingProxyType
@@ -93,6 +94,7 @@ from nri_accel.edits import (
     check_mount_source,
     check_node_path,
     is_bind_mount,
+    path_size_problem,
 )
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import (
@@ -115,6 +117,14 @@ SPEC_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", 
 EARLIEST_VERSION = "0.3.0"
 DRIVER_PREFIX = "cdi:"
 MAX_SPEC_BYTES = 4 << 20
+# A spec of nvidia-ctk for 8 GPUs with every MIG profile holds some 2,000 YAML nodes and
+# 64 devices; these bound the work a hostile or broken spec under MAX_SPEC_BYTES costs
+# (4 MiB of "[a,a,...]" is 2 million nodes: 15 s and 800 MB composed).
+MAX_SPEC_NODES = 100_000  # per file: scalars, sequences, mappings, aliases
+MAX_SPEC_DEVICES = 1024  # per file: the rest are left out with a Problem
+MAX_SPEC_FILES = 1024  # in all the spec directories: the rest are not read (a Problem)
+CACHE_NODES = 500_000  # parsed specs kept between discoveries, counted in nodes
+MAX_SHOWN = 64  # characters of a spec's value quoted in a message
 HOOK_NAMES = frozenset({"prestart", "createRuntime", "createContainer", "startContainer",
                         "poststart", "poststop"})
 
@@ -145,24 +155,100 @@ class _Spec(Struct, frozen=True):
     driver: Driver | None
 
 
+class _ParseCache:
+    """Parsed spec files by (host root, host path), each with the identity of the file it
+    was read from (device, inode, size, mtime, ctime): a rediscovery parses again only
+    what changed (a refresh re-reads every spec when any one changes). What depends on
+    the host besides the file (device nodes, mount sources) is checked again each time.
+    Bounded: at most CACHE_NODES nodes (the oldest go first), and each discovery drops
+    the files its directories no longer list. Thread-safe (a refresh runs in a worker
+    thread)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], tuple[tuple[int, ...], Any, str, int]] = {}
+        self._nodes = 0
+        self._lock = threading.Lock()
+        self.parses = 0  # files parsed since start (tests count them)
+
+    def parsed(self, root: str, host_path: str, st: os.stat_result,
+               parse: Callable[[], tuple[Any, int]]) -> Any:
+        """The raw spec of the file `st` describes, parsed once while it is unchanged;
+        raises the SpecError its parse raised."""
+        key = (root, host_path)
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with self._lock:
+            hit = self._entries.get(key)
+        if hit is not None and hit[0] == ident:
+            raw, error = hit[1], hit[2]
+        else:
+            self.parses += 1
+            try:
+                raw, nodes = parse()
+                error = ""
+            except SpecError as e:
+                raw, error, nodes = None, str(e), 1
+            self._store(key, (ident, raw, error, nodes))
+        if error:
+            raise SpecError(error)
+        return raw
+
+    def _store(self, key: tuple[str, str],
+               entry: tuple[tuple[int, ...], Any, str, int]) -> None:
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._nodes -= old[3]
+            if entry[3] > CACHE_NODES:
+                return
+            while self._entries and self._nodes + entry[3] > CACHE_NODES:
+                self._nodes -= self._entries.pop(next(iter(self._entries)))[3]
+            self._entries[key] = entry
+            self._nodes += entry[3]
+
+    def forget(self, root: str, keep: set[str]) -> None:
+        """Drop the entries of `root` whose file is not in `keep` (vanished files)."""
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == root and k[1] not in keep]:
+                self._nodes -= self._entries.pop(key)[3]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_CACHE = _ParseCache()
+
+
 def discover_cdi(root: HostRoot, spec_dirs: Sequence[str]) -> Found:
     """Every valid CDI device in `spec_dirs` (host paths, later directories win)."""
     problems: list[Problem] = []
     specs: list[_Spec] = []
+    seen: set[str] = set()
+    budget = MAX_SPEC_FILES
     for priority, spec_dir in enumerate(spec_dirs):
-        for name in root.listdir(spec_dir):
-            if not name.endswith((".json", ".yaml")):
-                continue
+        names, why = _list_spec_dir(root, spec_dir)
+        if why:
+            problems.append(Problem(spec_dir, f"spec directory cannot be read: {why}"))
+        names = [n for n in names if n.endswith((".json", ".yaml"))]
+        if len(names) > budget:
+            problems.append(Problem(spec_dir, (
+                f"{len(names) - budget} spec file(s) not read (from {_shown(names[budget])} "
+                f"on): nri-accel reads at most {MAX_SPEC_FILES} in all its spec directories")))
+            names = names[:budget]
+        budget -= len(names)
+        for name in names:
             host_path = str(PurePosixPath(spec_dir) / name)
+            seen.add(host_path)
             try:
                 loaded = _load_spec(root, host_path, priority)
             except SpecError as e:
+                # A Problem in the Inventory: the daemon logs it when it first appears.
                 problems.append(Problem(host_path, str(e)))
-                log.warning("cdi_spec_invalid", path=host_path, error=str(e))
+                log.debug("cdi_spec_invalid", path=host_path, error=str(e))
                 continue
             if loaded is not None:
                 specs.append(loaded[0])
                 problems += loaded[1]
+    _CACHE.forget(root.root, seen)
 
     candidates: dict[str, list[tuple[_Spec, Device]]] = {}
     for spec in specs:
@@ -191,29 +277,58 @@ def discover_cdi(root: HostRoot, spec_dirs: Sequence[str]) -> Found:
                  problems=tuple(sorted(problems, key=lambda p: (p.source, p.message))))
 
 
+def _list_spec_dir(root: HostRoot, spec_dir: str) -> tuple[list[str], str]:
+    """The entries of a spec directory, in name order, and why it cannot be listed: ""
+    when it can or does not exist (a missing directory holds no spec, as upstream)."""
+    try:
+        # Its symlinks followed inside the host root, as the host sees them.
+        return sorted(os.listdir(root.local(root.resolve(spec_dir)))), ""
+    except FileNotFoundError:
+        return [], ""
+    except OSError as e:  # a symlink loop (ELOOP), not a directory, no permission
+        return [], e.strerror or str(e)
+    except ValueError as e:  # HostRoot refused the path, or the OS cannot take it
+        return [], str(e)
+
+
 def _load_spec(root: HostRoot, host_path: str,
                priority: int) -> tuple[_Spec, list[Problem]] | None:
-    text = _read_spec_file(root, host_path)
-    if text is None:
+    found = _stat_spec_file(root, host_path)
+    if found is None:
         return None
-    fmt = "JSON" if host_path.endswith(".json") else "YAML"
-    try:
-        if host_path.endswith(".json"):
-            raw = json.loads(text)
-        else:
-            _check_yaml_depth(text)
-            raw = yaml.load(text, Loader=_YAML_LOADER)
-    except (ValueError, yaml.YAMLError) as e:
-        raise SpecError(f"not valid {fmt}: {_one_line(e)}") from e
-    except RecursionError:
-        raise SpecError(f"not valid {fmt}: nested too deeply") from None
+    local, st = found
+    raw = _CACHE.parsed(root.root, host_path, st, lambda: _parse(
+        _read_spec_file(local), host_path))
     return _build_spec(root, raw, host_path, priority)
 
 
-def _read_spec_file(root: HostRoot, host_path: str) -> str | None:
-    """The file's text; None for a directory (skipped, as upstream does)."""
-    local = root.local(host_path)
+def _parse(text: str, host_path: str) -> tuple[Any, int]:
+    """The raw spec and its size in nodes (for JSON, an upper bound); SpecError when it
+    is not valid JSON or YAML or holds more than MAX_SPEC_NODES nodes."""
+    fmt = "JSON" if host_path.endswith(".json") else "YAML"
     try:
+        if host_path.endswith(".json"):
+            # Every node but the first follows a ',' or ':' or opens a '[' or '{' (in a
+            # string too: an upper bound), counted in C before anything is built.
+            nodes = 1 + sum(text.count(c) for c in ",:[{")
+            if nodes > MAX_SPEC_NODES:
+                raise SpecError(_TOO_BIG)
+            raw = json.loads(text)
+        else:
+            nodes = _check_yaml(text)
+            raw = yaml.load(text, Loader=_YAML_LOADER)
+    except (ValueError, yaml.YAMLError) as e:
+        raise SpecError(f"not valid {fmt}: {_cut(_one_line(e), 200)}") from e
+    except RecursionError:
+        raise SpecError(f"not valid {fmt}: nested too deeply") from None
+    return raw, nodes
+
+
+def _stat_spec_file(root: HostRoot, host_path: str) -> tuple[str, os.stat_result] | None:
+    """The local path of a spec file (a symlink followed one level inside the host root)
+    and its lstat; None for a directory (skipped, as upstream does)."""
+    try:
+        local = root.local(host_path)
         st = os.lstat(local)
         if stat.S_ISLNK(st.st_mode):
             # Resolve one level inside the host root: an absolute target names a host path.
@@ -231,12 +346,22 @@ def _read_spec_file(root: HostRoot, host_path: str) -> str | None:
             raise SpecError("not a regular file")
         if st.st_size > MAX_SPEC_BYTES:
             raise SpecError(f"larger than {MAX_SPEC_BYTES} bytes")
-        with open(local, "rb") as f:
-            data = f.read(MAX_SPEC_BYTES + 1)
     except OSError as e:
         raise SpecError(f"cannot read: {e.strerror or e}") from e
     except ValueError as e:  # HostRoot refused the path ('..')
         raise SpecError(str(e)) from e
+    return local, st
+
+
+def _read_spec_file(local: str) -> str:
+    """The text of a regular file found by _stat_spec_file."""
+    try:
+        with open(local, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"cannot read: {e.strerror or e}") from e
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError(f"larger than {MAX_SPEC_BYTES} bytes")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -251,7 +376,7 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
     _no_unknown(raw, _SPEC_KEYS, "")
     version = _string(raw, "cdiVersion", "", required=True)
     if version.removeprefix("v") not in SPEC_VERSIONS:
-        raise SpecError(f"cdiVersion: {version!r} is not a CDI version nri-accel reads "
+        raise SpecError(f"cdiVersion: {_shown(version)} is not a CDI version nri-accel reads "
                         f"({', '.join(SPEC_VERSIONS)})")
     kind = _string(raw, "kind", "", required=True)
     _check_kind(kind)
@@ -259,6 +384,13 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
     raw_devices = raw.get("devices")
     if not isinstance(raw_devices, list) or not raw_devices:
         raise SpecError("devices: a spec must define at least one device")
+    problems: list[Problem] = []
+    if len(raw_devices) > MAX_SPEC_DEVICES:
+        problems.append(Problem(host_path, (
+            f"devices[{MAX_SPEC_DEVICES}:]: {len(raw_devices) - MAX_SPEC_DEVICES} devices "
+            f"left out: nri-accel reads at most {MAX_SPEC_DEVICES} devices per spec")))
+        raw_devices = raw_devices[:MAX_SPEC_DEVICES]
+        raw = {**raw, "devices": raw_devices}  # a copy: `raw` may be the cache's
 
     spec_edits = _edits(root, raw.get("containerEdits"), "containerEdits", device_level=False)
     parsed: list[tuple[str, _RawEdits, str]] = []
@@ -267,7 +399,7 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
         name = _string(rd, "name", where, required=True)
         _check_device_name(name, f"{where}.name")
         if name in names:
-            raise SpecError(f"{where}.name: device {name!r} is defined twice")
+            raise SpecError(f"{where}.name: device {_shown(name)} is defined twice")
         names.add(name)
         _annotations(rd.get("annotations"), f"{where}.annotations")
         parsed.append((name, _edits(root, rd.get("containerEdits"), f"{where}.containerEdits",
@@ -293,7 +425,6 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
                         capabilities=MappingProxyType({"": shared}))
 
     devices: list[Device] = []
-    problems: list[Problem] = []
     for name, edits, where in parsed:
         if name == "all":
             log.debug("cdi_composite_device_skipped", path=host_path, device=f"{kind}={name}")
@@ -328,8 +459,9 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
 def _no_unknown(obj: Mapping[str, Any], allowed: set[str], where: str) -> None:
     for key in obj:
         if key not in allowed:
-            loc = f"{where}.{key}" if where else str(key)
-            raise SpecError(f"{loc}: unknown field")
+            shown = _cut(key) if isinstance(key, str) else _shown(key)
+            raise SpecError(f"{where}.{shown}: unknown field" if where
+                            else f"{shown}: unknown field")
 
 
 def _string(obj: Mapping[str, Any], key: str, where: str, *, required: bool = False) -> str:
@@ -357,8 +489,8 @@ def _uint(v: Any, loc: str, *, positive: bool = False) -> int | None:
         return None
     if isinstance(v, bool) or not isinstance(v, int) or v < (1 if positive else 0) \
             or v > _UINT32_MAX:
-        raise SpecError(f"{loc}: must be an integer {'> 0' if positive else '>= 0'}, "
-                        f"not {v!r}")
+        raise SpecError(f"{loc}: must be an integer {'> 0' if positive else '>= 0'} "
+                        f"and at most {_UINT32_MAX}, not {_shown(v)}")
     return v
 
 
@@ -374,40 +506,46 @@ def _check_qualifier(part: str, what: str) -> None:
     if not part:
         raise SpecError(f"kind: empty {what}")
     if not part[0].isascii() or not part[0].isalpha():
-        raise SpecError(f"kind: {what} {part!r} must start with a letter")
+        raise SpecError(f"kind: {what} {_shown(part)} must start with a letter")
     if not _QUALIFIER_CHARS.match(part):
-        raise SpecError(f"kind: {what} {part!r} may hold only letters, digits, '_', '-', '.'")
+        raise SpecError(f"kind: {what} {_shown(part)} may hold only letters, digits, '_', "
+                        "'-', '.'")
     if not part[-1].isascii() or not part[-1].isalnum():
-        raise SpecError(f"kind: {what} {part!r} must end with a letter or digit")
+        raise SpecError(f"kind: {what} {_shown(part)} must end with a letter or digit")
 
 
 def _check_kind(kind: str) -> None:
     vendor, sep, cls = kind.partition("/")
     if not sep or "/" in cls:
-        raise SpecError(f"kind: {kind!r} must be vendor/class, e.g. \"acme.example/npu\"")
+        raise SpecError(f"kind: {_shown(kind)} must be vendor/class, e.g. "
+                        "\"acme.example/npu\"")
     _check_qualifier(vendor, "vendor")
     _check_qualifier(cls, "class")
 
 
 def _check_device_name(name: str, loc: str) -> None:
     if not DEVICE_NAME_RE.fullmatch(name):
-        raise SpecError(f"{loc}: {name!r} is not a device name (letters, digits, '_', '-', "
+        raise SpecError(f"{loc}: {_shown(name)} is not a device name (letters, digits, '_', '-', "
                         "'.', ':'; starting and ending with a letter or digit)")
 
 
 def _check_path(v: Any, loc: str) -> str:
     if not isinstance(v, str) or not v:
         raise SpecError(f"{loc}: required, an absolute path")
+    # Before anything else, and before any walk on the host: the cost of each grows with it.
+    too_long = path_size_problem(v)
+    if too_long:
+        raise SpecError(f"{loc}: {_shown(v)} {too_long}")
     p = PurePosixPath(v)
     if not p.is_absolute() or ".." in p.parts or "\0" in v:
-        raise SpecError(f"{loc}: {v!r} must be an absolute path without '..'")
+        raise SpecError(f"{loc}: {_shown(v)} must be an absolute path without '..'")
     return str(p)
 
 
 def _check_env(values: tuple[str, ...], loc: str) -> None:
     for kv in values:
         if kv.find("=") <= 0:
-            raise SpecError(f"{loc}: {kv!r} is not KEY=VALUE")
+            raise SpecError(f"{loc}: {_shown(kv)} is not KEY=VALUE")
 
 
 _EDIT_LISTS = ("env", "deviceNodes", "mounts", "hooks")
@@ -460,7 +598,7 @@ def _permissions(perms: str, loc: str) -> str:
     if perms == NO_ACCESS:
         return perms
     if perms.strip("rwm"):
-        raise SpecError(f"{loc}: {perms!r} must be made of r, w, m, or be \"none\"")
+        raise SpecError(f"{loc}: {_shown(perms)} must be made of r, w, m, or be \"none\"")
     return "".join(c for c in "rwm" if c in perms)
 
 
@@ -494,7 +632,7 @@ def _edits(root: HostRoot, v: Any, where: str, *, device_level: bool) -> _RawEdi
         host = _check_path(host, f"{loc}.hostPath") if host is not None else ""
         typ = _string(rn, "type", loc)
         if typ not in ("", "c", "u", "b", "p"):
-            raise SpecError(f"{loc}.type: {typ!r} is not b, c, u or p")
+            raise SpecError(f"{loc}.type: {_shown(typ)} is not b, c, u or p")
         if typ == "p":
             raise SpecError(f"{loc}.type: FIFO device nodes are not supported")
         perms = _permissions(_string(rn, "permissions", loc), f"{loc}.permissions")
@@ -540,7 +678,7 @@ def _edits(root: HostRoot, v: Any, where: str, *, device_level: bool) -> _RawEdi
     for loc, rh in _mappings(v.get("hooks"), f"{where}.hooks", _HOOK_KEYS):
         name = _string(rh, "hookName", loc, required=True)
         if name not in HOOK_NAMES:
-            raise SpecError(f"{loc}.hookName: {name!r} is not one of "
+            raise SpecError(f"{loc}.hookName: {_shown(name)} is not one of "
                             f"{', '.join(sorted(HOOK_NAMES))}")
         hook_env = _strings(rh.get("env"), f"{loc}.env")
         _check_env(hook_env, f"{loc}.env")
@@ -567,13 +705,14 @@ def _check_resolved_source(root: HostRoot, host_path: str) -> None:
     try:
         resolved = root.resolve(host_path)
     except (OSError, ValueError) as e:  # ValueError: a path the OS cannot take
-        raise UnsafeEdit(f"mount source {host_path!r} cannot be resolved: "
+        raise UnsafeEdit(f"mount source {_shown(host_path)} cannot be resolved: "
                          f"{getattr(e, 'strerror', None) or e}") from e
     if resolved != host_path:
         try:
             check_mount_source(resolved)
         except UnsafeEdit as e:
-            raise UnsafeEdit(f"mount source {host_path!r} leads to {resolved!r}: {e}") from e
+            raise UnsafeEdit(f"mount source {_shown(host_path)} leads to {_shown(resolved)}: "
+                             f"{e}") from e
 
 
 def _list(v: Any, loc: str) -> list[Any]:
@@ -616,6 +755,25 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
+def _cut(text: str, limit: int = MAX_SHOWN) -> str:
+    """`text` as a message shows it: its first `limit` characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _shown(v: Any) -> str:
+    """A value from a spec as a message quotes it, bounded whatever it is: a string cut
+    to MAX_SHOWN characters, an integer too long to print in decimal (Python refuses
+    one of over 4300 digits: a YAML 0x... of any length is read) by its size, any other
+    container by its type."""
+    if isinstance(v, str):
+        return repr(_cut(v))
+    if isinstance(v, bool) or v is None or isinstance(v, float):
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v) if v.bit_length() <= 64 else f"an integer of {v.bit_length()} bits"
+    return f"a {type(v).__name__}"
+
+
 def _vtuple(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in version.removeprefix("v").split("."))
 
@@ -623,18 +781,31 @@ def _vtuple(version: str) -> tuple[int, ...]:
 _YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _MAX_YAML_DEPTH = 32  # a CDI spec nests 7 levels (spec, devices, device, edits, hooks, ...)
 _TOO_DEEP = f"nested deeper than {_MAX_YAML_DEPTH} levels"
+_TOO_BIG = (f"more than {MAX_SPEC_NODES} values (scalars, lists, mappings): not read "
+            "(a CDI spec holds a few thousand)")
+_NODE_EVENTS = (yaml.ScalarEvent, yaml.SequenceStartEvent, yaml.MappingStartEvent,
+                yaml.AliasEvent)
 
 
-def _check_yaml_depth(text: str) -> None:
-    """Refuse YAML nested deeper than _MAX_YAML_DEPTH before it is composed: libyaml's
+def _check_yaml(text: str) -> int:
+    """The number of YAML nodes in `text` (scalars, sequences, mappings, aliases);
+    SpecError past MAX_SPEC_NODES (counted as the events come: parsing stops there)
+    or when nested deeper than _MAX_YAML_DEPTH.
+
+    Depth is refused before the document is composed: libyaml's
     composer (CSafeLoader) recurses in C once per level, so 100,000 '[' overflow the
     stack and kill the process (no exception to catch). Parse events are read in a loop.
     The libyaml of PyYAML 6.0.4 and later also stops at 1,000 flow levels, in its
     scanner, which reads a run of '[' ahead before the first event comes out: that
     refusal is reported as this one, the same depth problem."""
     depth = 0
+    nodes = 0
     try:
         for event in yaml.parse(text, Loader=_YAML_LOADER):
+            if isinstance(event, _NODE_EVENTS):
+                nodes += 1
+                if nodes > MAX_SPEC_NODES:
+                    raise SpecError(_TOO_BIG)
             if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
                 depth += 1
                 if depth > _MAX_YAML_DEPTH:
@@ -645,6 +816,7 @@ def _check_yaml_depth(text: str) -> None:
         if exc.problem == "exceeded maximum nesting depth":
             raise SpecError(_TOO_DEEP) from None
         raise
+    return nodes
 
 
 # ---- the version a spec needs (reading and writing) -----------------------------------
