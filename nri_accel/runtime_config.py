@@ -258,10 +258,13 @@ def read_crio(root: HostRoot) -> RuntimeFiles | None:
     return RuntimeFiles(CRIO_KEYS, tuple(files), values, tuple(problems))
 
 
+_MAX_CONFIG_BYTES = 1 << 20  # a runtime's TOML config: tens of KiB at most
+
+
 def _load_toml(root: HostRoot, path: str) -> tuple[dict[str, Any] | None, str]:
     """(the parsed file, "") ; (None, "") when it does not exist; (None, problem)."""
     try:
-        text = root.read_text(path)
+        text = root.read_text(path, limit=_MAX_CONFIG_BYTES)
     except FileNotFoundError:
         return None, ""
     except OSError as e:

@@ -28,6 +28,11 @@ from pathlib import PurePosixPath
 from msgspec import Struct
 
 MAX_SYMLINK_HOPS = 40  # as the kernel (MAXSYMLINKS)
+# Most read_text() returns: a sysfs attribute is at most a page (4 KiB), the procfs files
+# read (/proc/devices, /proc/driver/nvidia*) a few KiB; callers reading more say so.
+READ_LIMIT = 64 << 10
+PATH_MAX = 4096  # longest path walk_in_root accepts, in bytes (Linux PATH_MAX)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_PATH", 0)
 
 
 def walk_in_root(base: str, path: str, start: str = "/", *, follow_last: bool = True,
@@ -40,40 +45,130 @@ def walk_in_root(base: str, path: str, start: str = "/", *, follow_last: bool = 
     relative `path` continues from. `follow_last=False` leaves the last component as it
     is (lstat() then still sees a symlink). `must_exist=False` keeps components that
     cannot be read as they are written. Raises OSError: a missing or unreadable
-    component (when `must_exist`), or ELOOP after MAX_SYMLINK_HOPS links.
+    component (when `must_exist`), ELOOP after MAX_SYMLINK_HOPS links, ENAMETOOLONG for
+    a `path` over PATH_MAX bytes.
+
+    Linear in the length of the path and its links: the walk holds a descriptor of the
+    directory it has reached and looks up one component at a time from it (never the
+    whole path again), and once a component is missing, nothing below it is looked up.
     """
+    if len(path.encode("utf-8", "surrogateescape")) > PATH_MAX:
+        raise OSError(errno.ENAMETOOLONG, f"path longer than {PATH_MAX} bytes",
+                      path[:64] + "...")
     pending = deque(p for p in path.split("/") if p)
-    parts = [] if path.startswith("/") else [p for p in start.split("/") if p]
+    parts: list[str] = []
     hops = 0
-    while pending:
-        name = pending.popleft()
-        if name == ".":
-            continue
-        if name == "..":
-            if parts:
-                parts.pop()
-            continue
-        if not pending and not follow_last:
-            parts.append(name)
-            break
-        local = os.path.join(base, *parts, name)
-        try:
-            is_link = stat.S_ISLNK(os.lstat(local).st_mode)
-        except OSError:
+    # `fd` holds the directory "/" + "/".join(parts[:depth]), depth being `missing`
+    # once a component below it is missing or not a directory (nothing below it is then
+    # looked up), else len(parts). missing == -1: not even the root could be opened.
+    missing: int | None = None
+    why = errno.ENOTDIR  # why the component at `missing` cannot be walked below
+    fd = _open_dir(base)
+    try:
+        if fd is None:
             if must_exist:
-                raise
-            is_link = False
-        if not is_link:
+                os.lstat(base)  # raises the reason
+            missing = -1
+        if not path.startswith("/"):
+            for name in (p for p in start.split("/") if p):
+                parts.append(name)
+                if missing is None:
+                    fd, ok = _descend(fd, name)
+                    if not ok:
+                        missing = len(parts) - 1
+                        why = _errno_of(fd, name)
+        while pending:
+            name = pending.popleft()
+            if name == ".":
+                continue
+            if name == "..":
+                if parts:
+                    parts.pop()
+                    if missing is None:
+                        fd, ok = _descend(fd, "..")
+                        if not ok:  # the directory went away meanwhile
+                            raise OSError(errno.ENOENT, "directory removed during the "
+                                          "walk", os.path.join(base, *parts))
+                    elif len(parts) == missing:
+                        missing = None  # back at the directory `fd` holds
+                continue
+            if not pending and not follow_last:
+                parts.append(name)
+                break
+            if missing is not None:
+                if must_exist:
+                    raise OSError(why, os.strerror(why), os.path.join(base, *parts, name))
+                parts.append(name)
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError as e:
+                if must_exist:
+                    raise OSError(e.errno, e.strerror,
+                                  os.path.join(base, *parts, name)) from None
+                missing, why = len(parts), e.errno or errno.ENOENT
+                parts.append(name)
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                hops += 1
+                if hops > MAX_SYMLINK_HOPS:
+                    raise OSError(errno.ELOOP, "too many levels of symbolic links",
+                                  os.path.join(base, *parts, name))
+                target = os.readlink(name, dir_fd=fd)
+                if target.startswith("/"):
+                    parts = []
+                    new = _open_dir(base)
+                    if new is None:
+                        raise OSError(errno.ENOENT, "root removed during the walk", base)
+                    os.close(fd)  # type: ignore[arg-type]
+                    fd = new
+                pending.extendleft(reversed([p for p in target.split("/") if p]))
+                continue
+            ok = False
+            if stat.S_ISDIR(st.st_mode):
+                fd, ok = _descend(fd, name)
+            if not ok:  # a file (nothing is below it), or a directory gone meanwhile
+                missing, why = len(parts), errno.ENOTDIR
             parts.append(name)
-            continue
-        hops += 1
-        if hops > MAX_SYMLINK_HOPS:
-            raise OSError(errno.ELOOP, "too many levels of symbolic links", local)
-        target = os.readlink(local)
-        if target.startswith("/"):
-            parts = []
-        pending.extendleft(reversed([p for p in target.split("/") if p]))
+    finally:
+        if fd is not None:
+            os.close(fd)
     return "/" + "/".join(parts)
+
+
+def _open_dir(path: str) -> int | None:
+    try:
+        return os.open(path, _DIR_FLAGS)
+    except OSError:
+        return None
+
+
+def _errno_of(fd: int | None, name: str) -> int:
+    """Why `name` in the directory `fd` cannot be walked into."""
+    if fd is None:
+        return errno.ENOENT
+    try:
+        os.stat(name, dir_fd=fd)
+    except OSError as e:
+        return e.errno or errno.ENOENT
+    return errno.ENOTDIR
+
+
+def _descend(fd: int | None, name: str) -> tuple[int | None, bool]:
+    """(`name` opened from the directory `fd`, True), `fd` then closed; (`fd`, False)
+    where `name` is not a directory (a symlink never is: not followed)."""
+    if fd is None:
+        return None, False
+    try:
+        new = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+    except OSError:
+        return fd, False
+    os.close(fd)
+    return new, True
+
+
+class UnreadableFile(OSError):
+    """A host file read_text() refuses: not a regular file, or larger than its limit."""
 
 
 class HostRoot(Struct, frozen=True):
@@ -128,9 +223,34 @@ class HostRoot(Struct, frozen=True):
     def exists(self, host_path: str) -> bool:
         return os.path.lexists(self.local(host_path))
 
-    def read_text(self, host_path: str) -> str:
-        with open(self.local(host_path), encoding="utf-8", errors="replace") as f:
-            return f.read()
+    def read_text(self, host_path: str, *, limit: int = READ_LIMIT) -> str:
+        """The text of the regular file `host_path` (every symlink in it followed inside
+        the root), at most `limit` bytes. Opened non-blocking and checked with fstat
+        before any read, so a FIFO, socket or device there never blocks discovery.
+        Raises OSError: FileNotFoundError and the like, or UnreadableFile (not a regular
+        file, or larger than `limit`)."""
+        local = self.local(host_path)
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        if self.root not in ("", "/"):  # the last component too, as the host sees it
+            local = os.path.join(self.root, walk_in_root(self.root, host_path).lstrip("/"))
+            flags |= os.O_NOFOLLOW
+        fd = os.open(local, flags)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UnreadableFile(errno.EINVAL, "not a regular file", host_path)
+            chunks: list[bytes] = []
+            size = 0
+            while size <= limit:
+                chunk = os.read(fd, limit + 1 - size)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            if size > limit:
+                raise UnreadableFile(errno.EFBIG, f"larger than {limit} bytes", host_path)
+        finally:
+            os.close(fd)
+        return b"".join(chunks).decode("utf-8", errors="replace")
 
     def listdir(self, host_path: str) -> list[str]:
         try:

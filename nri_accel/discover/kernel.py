@@ -1,6 +1,7 @@
 """Readers of the kernel's interfaces that several families share.
 
-Owns: read() and read_stripped() (small sysfs/procfs files), proc_devices() and
+Owns: read() and read_stripped() (small sysfs/procfs files), parse_uint() (the one
+strict reader of numbers in them), proc_devices() and
 char_major() (character majors by driver name), link_name() and resolved_name() (where a
 sysfs link leads), pci_numa_node() (a PCI function's NUMA node) and node_checked() (a host
 device node from lstat whose type, major and minor are then checked against what the
@@ -21,28 +22,52 @@ import os
 from nri_accel.discover.base import host_device_node
 from nri_accel.discover.hostroot import HostRoot, walk_in_root
 from nri_accel.errors import DiscoveryError
-from nri_accel.inventory import DeviceNode
+from nri_accel.inventory import DeviceNode, Problem
 
 PROC_DEVICES = "/proc/devices"
+MAX_DIGITS = 20  # parse_uint: enough for any 64-bit value, far below int()'s 4300
+MAX_UINT = (1 << 64) - 1  # parse_uint's default range: a u64 sysfs value
+MAX_MAJOR = (1 << 12) - 1  # Linux majors are 12 bits (MINORBITS 20 of a 32-bit dev_t)
+MAX_MINOR = (1 << 20) - 1
 
 
-def read(root: HostRoot, host_path: str) -> str | None:
-    """The text of a (sysfs, procfs) file, None when it cannot be read."""
+def read(root: HostRoot, host_path: str, problems: list[Problem] | None = None) -> str | None:
+    """The text of a (sysfs, procfs) file, None when it cannot be read. With `problems`,
+    a file that is there but cannot be read (a FIFO, a device, over the size limit,
+    permissions) adds a Problem naming it; a missing one adds none."""
     try:
         return root.read_text(host_path)
-    except (OSError, ValueError):
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as e:
+        if problems is not None:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            problems.append(Problem(host_path, f"unreadable: {reason}"))
         return None
 
 
-def read_stripped(root: HostRoot, host_path: str) -> str | None:
+def read_stripped(root: HostRoot, host_path: str,
+                  problems: list[Problem] | None = None) -> str | None:
     """read() without surrounding whitespace; None for a missing or empty file."""
-    text = read(root, host_path)
+    text = read(root, host_path, problems)
     text = text.strip() if text is not None else None
     return text or None
 
 
+def parse_uint(text: str, *, maximum: int = MAX_UINT) -> int | None:
+    """`text` (surrounding whitespace ignored) as a number from 0 to `maximum`, or None:
+    ASCII digits only (str.isdigit() takes "²", which int() refuses) and at most
+    MAX_DIGITS of them (int() refuses 4301 digits and is slow well before)."""
+    text = text.strip()
+    if not 0 < len(text) <= MAX_DIGITS or not (text.isascii() and text.isdigit()):
+        return None
+    value = int(text)
+    return value if value <= maximum else None
+
+
 def proc_devices(root: HostRoot) -> dict[str, frozenset[int]] | None:
-    """Character-device majors by driver name from /proc/devices; None if unreadable."""
+    """Character-device majors by driver name from /proc/devices; None if unreadable.
+    Lines whose major is not a number up to MAX_MAJOR are skipped."""
     text = read(root, PROC_DEVICES)
     if text is None:
         return None
@@ -54,8 +79,10 @@ def proc_devices(root: HostRoot) -> dict[str, frozenset[int]] | None:
             in_char = stripped == "Character devices:"
             continue
         parts = stripped.split(None, 1)
-        if in_char and len(parts) == 2 and parts[0].isdigit():
-            majors.setdefault(parts[1], set()).add(int(parts[0]))
+        if in_char and len(parts) == 2:
+            major = parse_uint(parts[0], maximum=MAX_MAJOR)
+            if major is not None:
+                majors.setdefault(parts[1], set()).add(major)
     return {name: frozenset(m) for name, m in majors.items()}
 
 

@@ -148,6 +148,10 @@ class _GpuNode(Struct, frozen=True):
         return self.props.get("unique_id", 0)
 
 
+_MAX_NODE = 1 << 16  # KFD topology node numbers (one per CPU socket or GPU)
+_MAX_U32 = (1 << 32) - 1  # gpu_id is a u32
+
+
 def discover(root: HostRoot) -> Found:
     """Every GPU node of the KFD topology, /dev/kfd as the driver's shared node."""
     problems: list[Problem] = []
@@ -202,8 +206,8 @@ def _snapshot(root: HostRoot, problems: list[Problem]) -> list[_GpuNode]:
     """The GPU nodes, read between two equal generation_id values (as libhsakmt does)."""
     gen_path = root.sys_path(f"{TOPOLOGY}/generation_id")
     for _ in range(_SNAPSHOT_TRIES):
-        before = kernel.read(root, gen_path)
         attempt: list[Problem] = []
+        before = kernel.read(root, gen_path, attempt)
         gpus = _read_nodes(root, attempt)
         if kernel.read(root, gen_path) == before:
             problems += attempt
@@ -217,17 +221,28 @@ def _snapshot(root: HostRoot, problems: list[Problem]) -> list[_GpuNode]:
 def _read_nodes(root: HostRoot, problems: list[Problem]) -> list[_GpuNode]:
     nodes_dir = root.sys_path(f"{TOPOLOGY}/nodes")
     gpus = []
-    for n in sorted(int(x) for x in root.listdir(nodes_dir) if x.isdigit()):
+    numbers = []
+    for x in root.listdir(nodes_dir):
+        n = kernel.parse_uint(x, maximum=_MAX_NODE)
+        if n is not None:
+            numbers.append(n)
+        elif x.isdigit():  # digits, but not ASCII or far too many
+            problems.append(Problem(f"{nodes_dir}/{x}", "not a node number: skipped"))
+    for n in sorted(numbers):
         base = f"{nodes_dir}/{n}"
-        text = kernel.read(root, f"{base}/properties")
+        node_problems: list[Problem] = []
+        text = kernel.read(root, f"{base}/properties", node_problems)
         if text is None:
-            problems.append(Problem(f"{base}/properties", "unreadable: node skipped"))
+            problems += node_problems or [Problem(f"{base}/properties",
+                                                  "unreadable: node skipped")]
             continue
-        props = _parse_properties(text)
+        props = _parse_properties(text, f"{base}/properties", problems)
         if props.get("simd_count", 0) == 0:
             continue  # a CPU node
-        gpu_id_text = kernel.read_stripped(root, f"{base}/gpu_id")
-        gpu_id = int(gpu_id_text) if gpu_id_text and gpu_id_text.isdigit() else None
+        gpu_id_text = kernel.read_stripped(root, f"{base}/gpu_id", problems)
+        gpu_id = kernel.parse_uint(gpu_id_text, maximum=_MAX_U32) if gpu_id_text else None
+        if gpu_id_text and gpu_id is None:
+            problems.append(Problem(f"{base}/gpu_id", f"not a number: {gpu_id_text[:32]!r}"))
         if props.get("drm_render_minor", 0) <= 0:
             problems.append(Problem(f"{base}/properties", "GPU node without a render node "
                                     "(drm_render_minor): skipped"))
@@ -269,12 +284,19 @@ def _partitioned(gpus: list[_GpuNode]) -> list[_GpuNode]:
     return out
 
 
-def _parse_properties(text: str) -> dict[str, int]:
+def _parse_properties(text: str, source: str, problems: list[Problem]) -> dict[str, int]:
+    """The "name value" lines of a KFD node's properties (values are u64, printed
+    "%llu" by kfd_topology.c); a value that is not one is left out with a Problem."""
     out: dict[str, int] = {}
     for line in text.splitlines():
         parts = line.split()
         if len(parts) == 2 and parts[1].isdigit():
-            out[parts[0]] = int(parts[1])
+            value = kernel.parse_uint(parts[1])
+            if value is None:
+                problems.append(Problem(source, f"{parts[0][:64]}: not a number: "
+                                        f"{parts[1][:32]!r}; left out"))
+                continue
+            out[parts[0]] = value
     return out
 
 

@@ -102,10 +102,11 @@ VERBS_DRIVER = "infiniband_verbs"
 MODULE_DIR = "module/habanalabs"
 OPERATIONAL = "operational"
 
-_ACCEL_RE = re.compile(r"^accel([0-9]+)$")
-_HL_RE = re.compile(r"^hl([0-9]+)$")
+_ACCEL_RE = re.compile(r"^accel([0-9]{1,6})$")  # bounded: int() of 5000 digits raises
+_HL_RE = re.compile(r"^hl([0-9]{1,6})$")
 _HL_NODE_RE = re.compile(r"^hl(?:_controlD)?[0-9]+$")
-_UVERBS_RE = re.compile(r"^uverbs([0-9]+)$")
+_UVERBS_RE = re.compile(r"^uverbs([0-9]{1,6})$")
+_MAX_MODULE_ID = (1 << 32) - 1  # a u32 in the driver (the OAM slot, 0-7 on HLS boards)
 _NONE_VALUES = ("", "none", "void")
 _GRAMMAR = "'all', 'none' or device indices separated by ',' (e.g. '0,3')"
 
@@ -214,7 +215,7 @@ def _device(root: HostRoot, layout: _Layout, index: int,
     attr_dir = layout.attr_dir(root, index)
     attributes: dict[str, str] = {}
     healthy = True
-    status = kernel.read_stripped(root, f"{attr_dir}/status")
+    status = kernel.read_stripped(root, f"{attr_dir}/status", problems)
     if status is None:
         problems.append(Problem(f"{attr_dir}/status", "missing: device health unknown"))
         healthy = False
@@ -224,16 +225,18 @@ def _device(root: HostRoot, layout: _Layout, index: int,
         if status.lower() != OPERATIONAL:
             healthy = False
             attributes["health"] = status
-    module_id = kernel.read_stripped(root, f"{attr_dir}/module_id")
+    module_id = kernel.read_stripped(root, f"{attr_dir}/module_id", problems)
     if module_id is not None:
-        if module_id.isdigit():
-            attributes["module_id"] = str(int(module_id))
+        number = kernel.parse_uint(module_id, maximum=_MAX_MODULE_ID)
+        if number is not None:
+            attributes["module_id"] = str(number)
         else:
-            problems.append(Problem(f"{attr_dir}/module_id", f"not a number: {module_id!r}"))
-    device_type = kernel.read_stripped(root, f"{attr_dir}/device_type")
+            problems.append(Problem(f"{attr_dir}/module_id",
+                                    f"not a number: {module_id[:32]!r}"))
+    device_type = kernel.read_stripped(root, f"{attr_dir}/device_type", problems)
     if device_type is not None:
         attributes["device_type"] = device_type
-    driver_ver = kernel.read_stripped(root, f"{attr_dir}/driver_ver")
+    driver_ver = kernel.read_stripped(root, f"{attr_dir}/driver_ver", problems)
     if driver_ver is not None:
         attributes["driver_version"] = driver_ver
         driver_versions.append(driver_ver)
@@ -260,7 +263,7 @@ def _device(root: HostRoot, layout: _Layout, index: int,
 def _bus_id(root: HostRoot, attr_dir: str, layout: _Layout,
             problems: list[Problem]) -> str:
     """pci_addr, else (DRM accel layout) the PCI function the "device" link leads to."""
-    text = kernel.read_stripped(root, f"{attr_dir}/pci_addr")
+    text = kernel.read_stripped(root, f"{attr_dir}/pci_addr", problems)
     key = parse_pci_bus_id(text) if text else None
     if key is None and layout.name == "accel":
         name = kernel.resolved_name(root, attr_dir)

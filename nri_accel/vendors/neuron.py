@@ -76,6 +76,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from nri_accel.discover import kernel
 from nri_accel.discover.base import Found, host_device_node
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.discover.probe import State, entries, file_state
@@ -112,7 +113,12 @@ ENV_VISIBLE = "AWS_NEURON_VISIBLE_DEVICES"
 ENV_CORES = "NEURON_RT_VISIBLE_CORES"
 MODULE_DIR = "module/neuron"
 CLASS_DIR = "class/neuron_device"
-_NODE_RE = re.compile(r"^neuron([0-9]+)$")
+_NODE_RE = re.compile(r"^neuron([0-9]{1,6})$")
+# NeuronCores per device: 2 (Trainium1, Inferentia2), 4 (Inferentia1), 8 (Trainium2).
+# 64 leaves room for parts to come; beyond it a core_count is a corrupt or hostile file
+# (each core is an inventory device: a million took 24 s and 1.5 GB).
+MAX_CORES = 64
+MAX_INDEX = 999_999  # a neuron device index (neuronN, connected_devices)
 _ARCH_FILES = (("arch", "arch_type"), ("name", "device_name"),
                ("instance_type", "instance_type"))
 
@@ -146,11 +152,11 @@ class NeuronProfile(Profile):
         cores: dict[str, tuple[int, int]] = {}
         first = 0
         for d in inventory.of_kind(KIND):
-            n = d.attributes.get("cores", "")
-            if not n.isdigit():
+            n = kernel.parse_uint(d.attributes.get("cores", ""), maximum=MAX_CORES)
+            if n is None:
                 break  # numbering unknown from here on
-            cores[d.qualified_name] = (first, int(n))
-            first += int(n)
+            cores[d.qualified_name] = (first, n)
+            first += n
         return MappingProxyType(cores)
 
     def edits(self, devices: Sequence[Device], options: Any, drivers_only: bool,
@@ -263,9 +269,10 @@ def _cores(devices: Sequence[Device]) -> tuple[Device, ...]:
     out = []
     first = 0
     for d in devices:
-        n = d.attributes.get("cores", "")
-        if not n.isdigit():
+        count = kernel.parse_uint(d.attributes.get("cores", ""), maximum=MAX_CORES)
+        if count is None:
             break
+        n = str(count)
         out.extend(Device(kind=KIND_CORE, name=str(first + j), parent=d.name,
                           edits=ContainerEdits(env=(f"{ENV_CORES}={first + j}",),
                                                device_nodes=d.edits.device_nodes),
@@ -291,30 +298,39 @@ def _sysfs_facts(root: HostRoot, index: int) -> tuple[dict[str, str], tuple[int,
         return {}, (), [Problem(base, "missing: NeuronCore count and links unknown")]
     attributes: dict[str, str] = {}
     problems: list[Problem] = []
-    cores = _read(root, f"{base}/core_count")
-    if cores is None or not cores.strip().isdigit():
-        problems.append(Problem(f"{base}/core_count",
-                                "missing" if cores is None else f"not a number: {cores!r}"))
+    cores = _read(root, f"{base}/core_count", problems)
+    count = kernel.parse_uint(cores, maximum=MAX_CORES) if cores is not None else None
+    if count is None:
+        if cores is None:
+            problems.append(Problem(f"{base}/core_count", "missing or unreadable"))
+        elif kernel.parse_uint(cores) is not None:
+            problems.append(Problem(f"{base}/core_count", (
+                f"{cores.strip()} NeuronCores: more than the {MAX_CORES} any Neuron "
+                "device has; its cores (and those of the devices after it) are left out")))
+        else:
+            problems.append(Problem(f"{base}/core_count",
+                                    f"not a number: {cores.strip()[:32]!r}"))
     else:
-        attributes["cores"] = str(int(cores.strip()))
+        attributes["cores"] = str(count)
     for key, filename in _ARCH_FILES:
-        value = _read(root, f"{base}/info/architecture/{filename}")
+        value = _read(root, f"{base}/info/architecture/{filename}", problems)
         if value and value.strip():
             attributes[key] = value.strip()
     links: tuple[int, ...] = ()
-    connected = _read(root, f"{base}/connected_devices")
+    connected = _read(root, f"{base}/connected_devices", problems)
     if connected is not None:
         parts = [p.strip() for p in connected.split(",") if p.strip()]
-        if all(p.isdigit() for p in parts):
-            links = tuple(int(p) for p in parts)
+        indices = [kernel.parse_uint(p, maximum=MAX_INDEX) for p in parts]
+        if all(i is not None for i in indices):
+            links = tuple(i for i in indices if i is not None)
         else:
             problems.append(Problem(f"{base}/connected_devices",
-                                    f"not a list of device indices: {connected.strip()!r}"))
+                                    "not a list of device indices: "
+                                    f"{connected.strip()[:64]!r}"))
     return attributes, links, problems
 
 
-def _read(root: HostRoot, host_path: str) -> str | None:
-    try:
-        return root.read_text(host_path)
-    except (OSError, ValueError):
-        return None
+def _read(root: HostRoot, host_path: str, problems: list[Problem] | None = None
+          ) -> str | None:
+    """kernel.read: None when missing or unreadable, the latter a Problem."""
+    return kernel.read(root, host_path, problems)

@@ -93,7 +93,7 @@ from msgspec import Struct
 from nri_accel.discover import nvml
 from nri_accel.discover.base import Found, lstat_device
 from nri_accel.discover.hostroot import HostRoot
-from nri_accel.discover.kernel import char_major, pci_numa_node
+from nri_accel.discover.kernel import MAX_UINT, char_major, parse_uint, pci_numa_node
 from nri_accel.discover.ldcache import ARCHES, COMPAT32, Arch, Locator
 from nri_accel.discover.probe import State, entries, file_state
 from nri_accel.errors import DiscoveryError
@@ -188,6 +188,7 @@ _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?$")
 _MIG_CAP_RE = re.compile(r"config|monitor|gpu[0-9]+/gi[0-9]+(/ci[0-9]+)?/access")
 _MINOR_RE = re.compile(r"[0-9]{1,7}")
 _MAX_MINOR = (1 << 20) - 1  # Linux minors are 20 bits
+_CAP_FIELD_MAX = {"DeviceFileMinor": _MAX_MINOR, "DeviceFileMode": 0o7777}
 
 
 def normalise_pci_bus_id(value: str) -> str:
@@ -357,7 +358,9 @@ class _Scan(Struct):
         from the capability file's DeviceFileMinor (refused when they disagree: the
         wrong minor would grant another instance), the major from /proc/devices. A node
         the host lacks is still granted, created first when `create`."""
-        fields = self._cap_fields(proc_path)
+        fields = self._cap_fields(proc_path, what)
+        if fields is None:
+            return None
         from_file = fields.get("DeviceFileMinor")
         from_table = self.mig_minors().get(key)
         if from_file is not None and from_table is not None and from_file != from_table:
@@ -414,20 +417,29 @@ class _Scan(Struct):
                  mode=f"{perm:04o}")
         return True
 
-    def _cap_fields(self, proc_path: str) -> dict[str, int]:
+    def _cap_fields(self, proc_path: str, what: str) -> dict[str, int] | None:
         """The "Name: number" lines of a capability file (DeviceFileMinor,
-        DeviceFileMode, ...); empty when it cannot be read."""
+        DeviceFileMode, ...); empty when it cannot be read. None (a Problem added) when
+        DeviceFileMinor or DeviceFileMode is not a number in its range (a minor of at
+        most 20 bits, as parse_mig_minors; permission bits up to 0o7777): the node it
+        would name or create cannot be trusted."""
         try:
             text = self.root.read_text(proc_path)
         except OSError:
             return {}
-        out = {}
+        out: dict[str, int] = {}
         for line in text.splitlines():
             key, _, value = line.partition(":")
-            try:
-                out.setdefault(key.strip(), int(value))
-            except ValueError:
-                continue
+            key = key.strip()
+            limit = _CAP_FIELD_MAX.get(key)
+            number = parse_uint(value, maximum=limit if limit is not None else MAX_UINT)
+            if number is None and limit is not None:
+                self.problems.append(Problem(proc_path, (
+                    f"{key} {value.strip()[:32]!r} is not a number from 0 to {limit}: "
+                    f"{what} is left out")))
+                return None
+            if number is not None:
+                out.setdefault(key, number)
         return out
 
     def mig_minors(self) -> dict[str, int]:
