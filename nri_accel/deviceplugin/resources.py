@@ -258,7 +258,7 @@ def request_size_problem(resource: Resource, containers: int, id_counts: Iterabl
     if containers > MAX_CONTAINER_REQUESTS:
         return (f"{resource.name}: {containers} container requests in one call, more "
                 f"than the limit of {MAX_CONTAINER_REQUESTS} (kubelet sends one)")
-    limit = len(resource.devices)
+    limit = len(resource.devices) * resource.replicas  # time-slicing: each N times
     for n in id_counts:
         if n > limit:
             return (f"{resource.name}: a container request names {n} device IDs, more than "

@@ -19,6 +19,7 @@ from nri_accel import state
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
 from nri_accel.deviceplugin.resources import (
     MAX_CONTAINER_REQUESTS,
+    PluginDevice,
     Resource,
     request_size_problem,
     shown_id,
@@ -237,6 +238,13 @@ def test_request_limits_and_shown_ids() -> None:
     assert "more than the limit of 16" in request_size_problem(gpu, 17, iter(()))
     assert "names 1 device IDs, more than the 0 this resource advertises" in (
         request_size_problem(gpu, 1, [1]))
+    # time-slicing: each device is advertised `replicas` times, and kubelet may give
+    # one container several replicas
+    two = tuple(PluginDevice(f"GPU-{x}", f"nvidia.com/gpu=GPU-{x}") for x in "ab")
+    sliced = Resource("nvidia.com/gpu", two, replicas=4)
+    assert request_size_problem(sliced, 1, [8]) == ""
+    assert "names 9 device IDs, more than the 8 this resource advertises" in (
+        request_size_problem(sliced, 1, [9]))
     assert shown_id("x" * 81) == "x" * 80 + "..."
     assert shown_ids(["a"] * 10) == ["a"] * 8 + ["... (2 more)"]
     assert shown_ids(["a", "b" * 200]) == ["a", "b" * 80 + "..."]
