@@ -58,7 +58,6 @@ import itertools
 import json
 import math
 import os
-import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping
 from typing import Any
@@ -67,6 +66,7 @@ import msgspec
 from msgspec import Struct, field
 
 from nri_accel.errors import AllocationError, ConfigError, StateError
+from nri_accel.files import UnreadableFile, read_regular
 from nri_accel.log import get_logger
 
 log = get_logger(__name__)
@@ -578,13 +578,15 @@ class NriStatus(Struct, frozen=True):
         `run` has not written one yet), one that cannot be read or is not a record as
         not registered with a `problem` naming the file and what is wrong with it."""
         path = os.path.join(state_dir, NRI_STATUS_FILE)
-        try:
-            data = _read_small_file(path, cls.MAX_BYTES)
+        try:  # `run` renames a regular file into place: a link there is never its record
+            data = read_regular(path, cls.MAX_BYTES, follow=False)
         except FileNotFoundError:
             return cls(registered=False)
-        except _NotARecord as e:
-            return cls._malformed(path, str(e))
+        except UnreadableFile as e:  # a FIFO, /dev/zero: never waited on, never read whole
+            return cls._malformed(path, f"is {e.strerror}")
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                return cls._malformed(path, "is a symbolic link, not a regular file")
             return cls._malformed(path, f"cannot be read: {e.strerror or e}")
         try:
             rec = _NRI_DECODER.decode(data)
@@ -603,48 +605,6 @@ class NriStatus(Struct, frozen=True):
 
 
 _NRI_DECODER = msgspec.json.Decoder(_NriRecord)
-
-
-class _NotARecord(Exception):
-    """The file at a record's path is not one `run` could have written."""
-
-
-_FILE_TYPES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-               (stat.S_ISBLK, "a block device"))
-
-
-def _read_small_file(path: str, limit: int) -> bytes:
-    """The bytes of the regular file at `path`, at most `limit` of them, read without
-    blocking on whatever else may sit there: opened O_NONBLOCK (a FIFO does not wait for
-    a writer) and O_NOFOLLOW (a symlink is refused: `run` renames a regular file into
-    place, so a link there is never its record, and following one could reach
-    /dev/zero), its type checked on the open descriptor. Raises FileNotFoundError when
-    nothing is there, _NotARecord for anything but a regular file of at most `limit`
-    bytes, OSError when it cannot be read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _NotARecord("is a symbolic link, not a regular file") from e
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = next((name for test, name in _FILE_TYPES if test(st.st_mode)),
-                        "not a regular file")
-            raise _NotARecord(f"is {kind}, not a regular file")
-        if st.st_size > limit:
-            raise _NotARecord(f"holds {st.st_size} bytes, more than a record's {limit}")
-        chunks, size = [], 0
-        while chunk := os.read(fd, limit + 1 - size):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:  # grew since fstat
-                raise _NotARecord(f"holds more than a record's {limit} bytes")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 class CheckpointWriter:

@@ -27,6 +27,8 @@ from pathlib import PurePosixPath
 
 from msgspec import Struct
 
+from nri_accel.files import UnreadableFile, read_regular
+
 MAX_SYMLINK_HOPS = 40  # as the kernel (MAXSYMLINKS)
 # Most read_text() returns: a sysfs attribute is at most a page (4 KiB), the procfs files
 # read (/proc/devices, /proc/driver/nvidia*) a few KiB; callers reading more say so.
@@ -167,10 +169,6 @@ def _descend(fd: int | None, name: str) -> tuple[int | None, bool]:
     return new, True
 
 
-class UnreadableFile(OSError):
-    """A host file read_text() refuses: not a regular file, or larger than its limit."""
-
-
 class HostRoot(Struct, frozen=True):
     """Where the host's filesystem, /dev, /sys and the driver root are mounted here."""
 
@@ -230,27 +228,14 @@ class HostRoot(Struct, frozen=True):
         Raises OSError: FileNotFoundError and the like, or UnreadableFile (not a regular
         file, or larger than `limit`)."""
         local = self.local(host_path)
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-        if self.root not in ("", "/"):  # the last component too, as the host sees it
+        inside = self.root not in ("", "/")
+        if inside:  # the last component too, as the host sees it
             local = os.path.join(self.root, walk_in_root(self.root, host_path).lstrip("/"))
-            flags |= os.O_NOFOLLOW
-        fd = os.open(local, flags)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise UnreadableFile(errno.EINVAL, "not a regular file", host_path)
-            chunks: list[bytes] = []
-            size = 0
-            while size <= limit:
-                chunk = os.read(fd, limit + 1 - size)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-            if size > limit:
-                raise UnreadableFile(errno.EFBIG, f"larger than {limit} bytes", host_path)
-        finally:
-            os.close(fd)
-        return b"".join(chunks).decode("utf-8", errors="replace")
+            data = read_regular(local, limit, follow=not inside)
+        except UnreadableFile as e:  # named by its host path
+            raise UnreadableFile(e.errno, e.strerror, host_path) from None
+        return data.decode("utf-8", errors="replace")
 
     def listdir(self, host_path: str) -> list[str]:
         try:

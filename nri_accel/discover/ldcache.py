@@ -36,6 +36,7 @@ from msgspec import Struct
 
 from nri_accel.discover.elf import read_elf
 from nri_accel.discover.hostroot import HostRoot, walk_in_root
+from nri_accel.files import read_regular
 from nri_accel.inventory import Problem
 
 LD_SO_CACHE = "/etc/ld.so.cache"
@@ -191,20 +192,12 @@ class Locator:
         resolved = self.resolve(LD_SO_CACHE)
         if resolved is None:
             return ()  # no cache: the standard directories
-        try:
-            # non-blocking, then fstat: never wait on a FIFO nor read a device
-            fd = os.open(self.local_path(resolved),
-                         os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-                         | os.O_NOCTTY)
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise LdCacheError("not a regular file")
-                data = f.read(_MAX_CACHE_BYTES + 1)
-            if len(data) > _MAX_CACHE_BYTES:
-                raise LdCacheError(f"larger than {_MAX_CACHE_BYTES} bytes")
+        try:  # never waiting on a FIFO nor reading a device (resolved: no symlink left)
+            data = read_regular(self.local_path(resolved), _MAX_CACHE_BYTES, follow=False)
             return parse_ld_so_cache(data)
         except (OSError, LdCacheError) as e:
-            self.problems.append(Problem(where, f"cannot read the loader cache ({e}); "
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            self.problems.append(Problem(where, f"cannot read the loader cache ({why}); "
                                                 "searching the standard directories only"))
             return ()
 

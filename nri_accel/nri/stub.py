@@ -73,6 +73,7 @@ from google.protobuf.message import DecodeError
 from msgspec import Struct
 
 from nri_accel.errors import ConfigError
+from nri_accel.files import file_kind
 from nri_accel.log import get_logger
 from nri_accel.nri import DEFAULT_SOCKET
 from nri_accel.nri import nri_pb2 as pb
@@ -803,10 +804,6 @@ def _as_ttrpc_error(exc: Exception, what: str) -> TtrpcError:
     return TtrpcError(code, str(exc) or type(exc).__name__)
 
 
-_FILE_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISCHR, "a character device"),
-               (stat.S_ISFIFO, "a pipe"), (stat.S_ISDIR, "a directory"))
-
-
 def _lost(error: Exception | None, when: str) -> ConnectionError:
     """The error of a connection that ended `when` (before registering completed), saying
     what the peer did: sent bytes that break NRI's framing (the multiplexer's: what
@@ -825,8 +822,7 @@ def _not_a_runtime_connection(fd: int) -> str:
     except OSError as e:
         return f"is not open ({e.strerror})"
     if not stat.S_ISSOCK(mode):
-        kind = next((name for test, name in _FILE_KINDS if test(mode)), "something else")
-        return f"is {kind}, not a socket"
+        return f"is {file_kind(mode)}, not a socket"
     sock = socket.socket(fileno=fd)  # reads the fd's family and type; detached below
     try:
         if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:

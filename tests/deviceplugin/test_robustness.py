@@ -102,7 +102,7 @@ def _link_to_good(path: str) -> None:  # `run` writes a regular file, never a li
     os.symlink(path + ".real", path)
 
 
-FILES = {"a FIFO": (_fifo, "is a FIFO"), "a directory": (os.mkdir, "is a directory"),
+FILES = {"a FIFO": (_fifo, "is a pipe (FIFO)"), "a directory": (os.mkdir, "is a directory"),
          "a dangling symlink": (_dangling, "is a symbolic link"),
          "a symlink to /dev/zero": (_zero, "is a symbolic link"),
          "a symlink to a valid record": (_link_to_good, "is a symbolic link")}
@@ -153,7 +153,7 @@ def test_a_record_turning_malformed_while_serving_fails_closed_with_one_line(
         reasons = {plugins.check_nri() for _ in range(3)}
         (nri / NRI_STATUS_FILE).unlink()
         _fifo(str(nri / NRI_STATUS_FILE))
-        assert "is a FIFO" in plugins.check_nri()
+        assert "is a pipe (FIFO)" in plugins.check_nri()
     (reason,) = reasons
     assert reason.startswith(f"{nri / NRI_STATUS_FILE} exists but is not a valid record")
     assert plugins.nri_down

@@ -57,7 +57,7 @@ def test_read_text_refuses_a_fifo_without_blocking_and_caps_the_size(tmp_path) -
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "big").write_bytes(b"1" * (64 << 10 | 1))
     r = HostRoot.at(tmp_path)
-    with pytest.raises(UnreadableFile, match="not a regular file"):
+    with pytest.raises(UnreadableFile, match=r"a pipe \(FIFO\), not a regular file"):
         r.read_text("/fifo")
     with pytest.raises(UnreadableFile, match="larger than"):
         r.read_text("/big")
@@ -107,7 +107,7 @@ def test_amd_fifo_generation_id_and_bad_numbers_are_problems(tmp_path: Path) -> 
     assert len(found.devices) == before
     problems = msgs(found)
     assert [m for s, m in problems.items() if s.endswith("/generation_id")] == [
-        "unreadable: not a regular file"]
+        "unreadable: a pipe (FIFO), not a regular file"]
     assert problems[f"{KFD_NODES}/{bad}/gpu_id"] == "not a number: '²'"
     assert "not a number" in problems[f"{KFD_NODES}/{gpu_nodes[1]}/properties"]
 

@@ -179,7 +179,7 @@ def _fd_of(kind: str, tmp_path: Any) -> Any:
 @pytest.mark.parametrize(("kind", "why"), [
     ("closed", "is not open (Bad file descriptor)"),
     ("file", "is a regular file, not a socket"),
-    ("pipe", "is a pipe, not a socket"),
+    ("pipe", "is a pipe (FIFO), not a socket"),
     ("udp", "is a AF_INET SOCK_DGRAM socket, not a unix stream socket"),
     ("listening", "is a listening socket, not a connection"),
     ("unconnected", "is a unix socket that is not connected"),

@@ -97,6 +97,7 @@ from nri_accel.edits import (
     path_size_problem,
 )
 from nri_accel.errors import DiscoveryError
+from nri_accel.files import UnreadableFile, read_regular
 from nri_accel.inventory import (
     DEVICE_NAME_RE,
     ContainerEdits,
@@ -355,13 +356,12 @@ def _stat_spec_file(root: HostRoot, host_path: str) -> tuple[str, os.stat_result
 
 def _read_spec_file(local: str) -> str:
     """The text of a regular file found by _stat_spec_file."""
-    try:
-        with open(local, "rb") as f:
-            data = f.read(MAX_SPEC_BYTES + 1)
+    try:  # what _stat_spec_file found may have been replaced since (by a FIFO): checked again
+        data = read_regular(local, MAX_SPEC_BYTES, follow=False)
+    except UnreadableFile as e:
+        raise SpecError(str(e.strerror)) from e
     except OSError as e:
         raise SpecError(f"cannot read: {e.strerror or e}") from e
-    if len(data) > MAX_SPEC_BYTES:
-        raise SpecError(f"larger than {MAX_SPEC_BYTES} bytes")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -1,0 +1,58 @@
+"""Bounded reads of files other programs write: never a wait, never more than asked.
+
+Owns: read_regular(), file_kind() and UnreadableFile. Imports the standard library only.
+
+The host's sysfs and procfs values, its loader cache and CDI specs (discovery), and the
+record `nri-accel run` leaves for the device plugin are all read from paths something
+else controls. A FIFO opened for reading waits for a writer, a device may return bytes
+for ever, and a file can be replaced between a stat and an open. read_regular() opens
+without blocking (O_NONBLOCK), checks what it opened (fstat on the descriptor, so the
+check and the read are of the same file) and reads at most its limit: what it returns
+is what a regular file held, whatever sits at the path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a pipe (FIFO)"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """What a file of `mode` (st_mode) is, for messages: "a pipe (FIFO)", "a directory", ..."""
+    return next((name for test, name in _KINDS if test(mode)), "an unknown kind of file")
+
+
+class UnreadableFile(OSError):
+    """What read_regular() refuses: not a regular file, or larger than its limit."""
+
+
+def read_regular(path: str, limit: int, *, follow: bool = True) -> bytes:
+    """The bytes of the regular file at `path`, at most `limit` of them. With `follow`
+    false, a symbolic link at `path` itself is refused (OSError ELOOP). Raises
+    UnreadableFile for anything but a regular file of at most `limit` bytes (its message
+    says what is there), and OSError (FileNotFoundError, ...) when it cannot be opened."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    fd = os.open(path, flags if follow else flags | os.O_NOFOLLOW)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnreadableFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", path)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:  # to the end, or one byte past the limit
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise UnreadableFile(errno.EFBIG, f"larger than {limit} bytes", path)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
