@@ -1,6 +1,7 @@
 """The one exception root of nri-accel and its families.
 
-Owns: NriAccelError and its subclasses. Imports nothing from the project.
+Owns: NriAccelError and its subclasses, and cut() (how a message quotes a value that
+may be megabytes long). Imports nothing from the project.
 
 Every error that reaches a user names what it is about: the annotation key, the
 environment variable, the config key, the device id or the file. `source` carries
@@ -78,3 +79,9 @@ class StateError(RequestError):
     checkpoint could be read and the runtime has not synchronised yet)."""
 
     status = "UNAVAILABLE"
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` as a message quotes it: whole, or its first `limit` characters and "..."
+    (what a pod, a spec or a request names may be megabytes long)."""
+    return text if len(text) <= limit else text[:limit] + "..."

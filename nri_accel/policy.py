@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from msgspec import Struct
 
 from nri_accel.container import ContainerInfo
-from nri_accel.errors import PolicyError
+from nri_accel.errors import PolicyError, cut
 from nri_accel.request import Origin, Parsed, Source, check_bounds, parse, read_by_parse
 from nri_accel.syntax import MAX_NAME_CHARS, DeviceClaim, claim_order
 
@@ -121,7 +121,10 @@ class Policy(Struct, frozen=True):
 
     def reason(self, origin: Origin, namespace: str) -> str:
         """Why `origin` may not grant in `namespace`: the text of refusals and notes."""
-        where = f"namespace {_cut(namespace)!r}" if namespace else "a container with no namespace"
+        # a namespace is at most 63 characters in Kubernetes; a hostile runtime request
+        # may send megabytes
+        where = (f"namespace {cut(namespace, MAX_NAME_CHARS)!r}" if namespace
+                 else "a container with no namespace")
         return (f"{origin.value} may not grant devices in {where}; allocate through the "
                 "device plugin or add the namespace to policy.trusted_namespaces")
 
@@ -216,12 +219,6 @@ REQUEST_MEMO_SIZE = 512
 """Requests remembered before the memo starts over. Its keys hold only the annotations
 and env entries parse() reads, each value and all of them together size-limited."""
 _REQUESTS: dict[tuple[Hashable, ...], Request] = {}
-
-
-def _cut(name: str) -> str:
-    """`name` as shown in a message: the first MAX_NAME_CHARS characters (a namespace is
-    at most 63 in Kubernetes; a hostile runtime request may send megabytes)."""
-    return name if len(name) <= MAX_NAME_CHARS else name[:MAX_NAME_CHARS] + "..."
 
 
 def _demoted(src: Source) -> Source:

@@ -46,7 +46,7 @@ from typing import Any
 
 from msgspec import Struct
 
-from nri_accel.errors import AllocationError, NotFoundError, PolicyError
+from nri_accel.errors import AllocationError, NotFoundError, PolicyError, cut
 from nri_accel.inventory import Device, Inventory, parse_pci_bus_id, vendor_of
 from nri_accel.policy import Request
 from nri_accel.syntax import DeviceClaim
@@ -205,7 +205,7 @@ class DeviceIndex:
         return None, False
 
     def unknown(self, kind: str, ident: str, source: str) -> NotFoundError:
-        shown = ident if len(ident) <= _MAX_ECHO else ident[:_MAX_ECHO] + "..."
+        shown = cut(ident, _MAX_ECHO)
         described = self._describe.get(kind) or f"this node has no {kind} devices"
         return NotFoundError(f"unknown device {kind}={shown!r}: {described}", source=source)
 

@@ -51,7 +51,7 @@ from types import MappingProxyType
 from msgspec import Struct
 
 from nri_accel.config import Config, extended_resource_name_error
-from nri_accel.errors import AllocationError
+from nri_accel.errors import AllocationError, cut
 from nri_accel.inventory import Device, Inventory, Problem
 from nri_accel.request import GRANT_KEY_PREFIX
 from nri_accel.select import REPLICA_SEPARATOR
@@ -237,7 +237,7 @@ def grant_annotation_key(resource_name: str) -> str:
 
 def shown_id(device_id: str) -> str:
     """`device_id` as a message or log line quotes it: its first 80 characters."""
-    return device_id if len(device_id) <= _SHOWN_ID else device_id[:_SHOWN_ID] + "..."
+    return cut(device_id, _SHOWN_ID)
 
 
 def shown_ids(device_ids: Sequence[str]) -> list[str]:

@@ -27,6 +27,7 @@ from pathlib import PurePosixPath
 
 from msgspec import Struct
 
+from nri_accel.errors import cut
 from nri_accel.files import UnreadableFile, read_regular
 
 MAX_SYMLINK_HOPS = 40  # as the kernel (MAXSYMLINKS)
@@ -56,7 +57,7 @@ def walk_in_root(base: str, path: str, start: str = "/", *, follow_last: bool = 
     """
     if len(path.encode("utf-8", "surrogateescape")) > PATH_MAX:
         raise OSError(errno.ENAMETOOLONG, f"path longer than {PATH_MAX} bytes",
-                      path[:64] + "...")
+                      cut(path, 64))
     pending = deque(p for p in path.split("/") if p)
     parts: list[str] = []
     hops = 0

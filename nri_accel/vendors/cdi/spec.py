@@ -96,7 +96,7 @@ from nri_accel.edits import (
     is_bind_mount,
     path_size_problem,
 )
-from nri_accel.errors import DiscoveryError
+from nri_accel.errors import DiscoveryError, cut
 from nri_accel.files import UnreadableFile, read_regular
 from nri_accel.inventory import (
     DEVICE_NAME_RE,
@@ -319,7 +319,7 @@ def _parse(text: str, host_path: str) -> tuple[Any, int]:
             nodes = _check_yaml(text)
             raw = yaml.load(text, Loader=_YAML_LOADER)
     except (ValueError, yaml.YAMLError) as e:
-        raise SpecError(f"not valid {fmt}: {_cut(_one_line(e), 200)}") from e
+        raise SpecError(f"not valid {fmt}: {cut(_one_line(e), 200)}") from e
     except RecursionError:
         raise SpecError(f"not valid {fmt}: nested too deeply") from None
     return raw, nodes
@@ -459,7 +459,7 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
 def _no_unknown(obj: Mapping[str, Any], allowed: set[str], where: str) -> None:
     for key in obj:
         if key not in allowed:
-            shown = _cut(key) if isinstance(key, str) else _shown(key)
+            shown = cut(key, MAX_SHOWN) if isinstance(key, str) else _shown(key)
             raise SpecError(f"{where}.{shown}: unknown field" if where
                             else f"{shown}: unknown field")
 
@@ -755,18 +755,13 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
-def _cut(text: str, limit: int = MAX_SHOWN) -> str:
-    """`text` as a message shows it: its first `limit` characters."""
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _shown(v: Any) -> str:
     """A value from a spec as a message quotes it, bounded whatever it is: a string cut
     to MAX_SHOWN characters, an integer too long to print in decimal (Python refuses
     one of over 4300 digits: a YAML 0x... of any length is read) by its size, any other
     container by its type."""
     if isinstance(v, str):
-        return repr(_cut(v))
+        return repr(cut(v, MAX_SHOWN))
     if isinstance(v, bool) or v is None or isinstance(v, float):
         return repr(v)
     if isinstance(v, int):

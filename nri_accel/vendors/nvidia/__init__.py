@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
 
-from nri_accel.errors import RequestError
+from nri_accel.errors import RequestError, cut
 from nri_accel.inventory import Device
 from nri_accel.syntax import ClaimSet, DeviceClaim, check_id, check_kind, check_text
 from nri_accel.vendors.base import (
@@ -473,7 +473,7 @@ def _jit_id(ident: str, token: str, source: str) -> str:
     if m is not None:
         gpu, mig = m.groups()
         return str(int(gpu)) if mig is None else f"{int(gpu)}:{int(mig)}"
-    shown = token if len(token) <= 80 else token[:80] + "..."
+    shown = cut(token, 80)
     raise RequestError(f"invalid device {shown!r}: {KIND_JIT} takes what the NVIDIA "
                        "Container Toolkit's just-in-time CDI mode accepts: all, a GPU index "
                        "(0), a MIG index (0:1), GPU-<uuid> or MIG-<uuid>", source=source)

@@ -41,7 +41,9 @@ from functools import lru_cache
 
 from msgspec import Struct
 
-from nri_accel.errors import RequestError
+from nri_accel.errors import RequestError, cut
+
+_SHOWN = 40  # characters of a requirement or version quoted in a message
 
 REQUIRE_PREFIX = "NVIDIA_REQUIRE_"
 REQUIRE_JETPACK = "NVIDIA_REQUIRE_JETPACK"
@@ -187,8 +189,9 @@ def _parse_constraint(expr: str, source: str) -> Constraint:
                                "number such as 12.4", source=source)
         big = next((c for c in value.split(".") if _overflows(c)), None)
         if big is not None:
-            raise RequestError(f"invalid constraint {_cut(expr)!r}: version number "
-                               f"{_cut(big)} does not fit in 32 bits (at most {UINT32_MAX})",
+            raise RequestError(f"invalid constraint {cut(expr, _SHOWN)!r}: version number "
+                               f"{cut(big, _SHOWN)} does not fit in 32 bits "
+                               f"(at most {UINT32_MAX})",
                                source=source)
     elif key in STRING_KEYS:
         if op not in ("=", "!="):
@@ -207,10 +210,6 @@ def _overflows(digits: str) -> bool:
     """Whether a decimal number (no sign) exceeds UINT32_MAX; never converts a long one."""
     digits = digits.lstrip("0")
     return len(digits) > 10 or (len(digits) == 10 and int(digits) > UINT32_MAX)
-
-
-def _cut(text: str) -> str:
-    return text if len(text) <= 40 else text[:40] + "..."
 
 
 @lru_cache(maxsize=512)
@@ -252,12 +251,14 @@ def requirements_from_env(env: Mapping[str, str]) -> Requirements | None:
     if legacy_cuda_image(env):
         m = _SEMVER_RE.fullmatch(env[CUDA_VERSION])
         if m is None:
-            raise RequestError(f"invalid CUDA version {_cut(env[CUDA_VERSION])!r} (legacy "
-                               "image without NVIDIA_REQUIRE_CUDA)", source=f"env {CUDA_VERSION}")
+            raise RequestError(f"invalid CUDA version {cut(env[CUDA_VERSION], _SHOWN)!r} "
+                               "(legacy image without NVIDIA_REQUIRE_CUDA)",
+                               source=f"env {CUDA_VERSION}")
         major, minor = m.group(1), m.group(2) or "0"
         for what, number in (("major", major), ("minor", minor)):
             if _overflows(number):
-                raise RequestError(f"invalid CUDA version {_cut(env[CUDA_VERSION])!r}: the "
+                version = cut(env[CUDA_VERSION], _SHOWN)
+                raise RequestError(f"invalid CUDA version {version!r}: the "
                                    f"{what} version does not fit in 32 bits (at most "
                                    f"{UINT32_MAX})", source=f"env {CUDA_VERSION}")
         items.append(parse_requirement(f"env {CUDA_VERSION}", f"cuda>={major}.{minor}"))
