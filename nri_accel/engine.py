@@ -49,6 +49,7 @@ from nri_accel.container import ContainerInfo
 from nri_accel.edits import ENV_PREFIXES as EDITS_ENV_PREFIXES
 from nri_accel.edits import Catalog, compile_catalog
 from nri_accel.edits import build as build_edits
+from nri_accel.errors import RequestError
 from nri_accel.inventory import KIND_RE, ContainerEdits, Device, Inventory
 from nri_accel.log import get_logger
 from nri_accel.policy import Policy, own_annotations
@@ -56,6 +57,7 @@ from nri_accel.request import ANNOTATION_GRANTED, ANNOTATION_SHARED, check_bound
 from nri_accel.request import ENV_PREFIXES as REQUEST_ENV_PREFIXES
 from nri_accel.select import DeviceIndex, select
 from nri_accel.state import Grant, Holdings
+from nri_accel.syntax import MAX_NAME_CHARS
 from nri_accel.vendors import parent_of
 
 log = get_logger(__name__)
@@ -163,9 +165,13 @@ class Engine:
     def plan(self, info: ContainerInfo) -> Plan:
         """The Plan for one container. Records nothing (commit() does); raises
         RequestError and subclasses. A request over nri_accel.request's bounds (of the
-        env, those of ENV_SCOPE: build() reads them too) is refused before any work."""
+        env, those of ENV_SCOPE: build() reads them too) is refused before any work, and
+        one that would be granted for a container whose names or ids a grant could not
+        record (_check_recorded)."""
         check_bounds(info, ENV_SCOPE)
         request = self._policy.request_for(info)
+        if request.grants:
+            _check_recorded(info)
         counted = next((c for c in request.grants if c.count is not None), None)
         with self._lock:
             tables = self._tables
@@ -319,6 +325,20 @@ def _read_grant(info: ContainerInfo) -> Grant | None:
     return Grant(info.container_id, name=info.label, pod_uid=info.pod_uid,
                  pod_id=info.pod_id, container_name=info.container_name,
                  exclusive=keys - shared, shared=shared & keys)
+
+
+def _check_recorded(info: ContainerInfo) -> None:
+    """Refuse a grant to a container with a namespace, pod or container name or id over
+    MAX_NAME_CHARS (Kubernetes allows 253 at most; a CRI client may send megabytes): a
+    grant records them, in its annotations and the checkpoint, which a few such grants
+    would fill past what it reads back (state.MAX_CHECKPOINT_BYTES)."""
+    for what, name in (("namespace", info.namespace), ("pod name", info.pod_name),
+                       ("pod uid", info.pod_uid), ("pod id", info.pod_id),
+                       ("container name", info.container_name),
+                       ("container id", info.container_id)):
+        if len(name) > MAX_NAME_CHARS:
+            raise RequestError(f"{len(name)} characters, more than the {MAX_NAME_CHARS} a "
+                               "grant records", source=what)
 
 
 def restore_slices(containers: Iterable[ContainerInfo], most: int,

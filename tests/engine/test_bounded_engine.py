@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import msgspec
 import pytest
 from engine_testing import container, demo_inventory, standalone
 
@@ -17,6 +18,7 @@ from nri_accel import engine as engine_module
 from nri_accel.engine import RESTORE_KEYS, Engine, restore_slices
 from nri_accel.errors import RequestError
 from nri_accel.request import ANNOTATION_GRANTED, ANNOTATION_SHARED, MAX_ENV_ENTRIES
+from nri_accel.syntax import MAX_NAME_CHARS
 
 GPU = {"devices.nri-accel.io": "nvidia.com/gpu=0"}
 
@@ -122,3 +124,21 @@ def test_restore_slices_bound_the_containers_and_the_keys() -> None:
     alone = [granted("big", 5000), container(cid="none"), granted("e", 3)]
     assert ids(list(restore_slices(alone, 100, keys=16))) == [["big"], ["none", "e"]]
     assert list(restore_slices([], 100)) == []
+
+
+@pytest.mark.parametrize("field", ["namespace", "pod_name", "pod_uid", "pod_id",
+                                   "container_name", "container_id"])
+def test_a_grant_is_refused_to_a_container_whose_names_it_could_not_record(
+        engine: Engine, field: str) -> None:
+    """A grant records the container's names and ids (annotations, checkpoint): one of
+    megabytes, which only a CRI client outside Kubernetes can send, is refused when the
+    container would be granted; asking for nothing, it is simply served."""
+    asks = container(annotations={"devices.nri-accel.io": "nvidia.com/gpu=0"})
+    long = msgspec.structs.replace(asks, **{field: "x" * (MAX_NAME_CHARS + 1)})
+    with pytest.raises(RequestError, match=f"more than the {MAX_NAME_CHARS} a grant") as err:
+        engine.plan(long)
+    assert err.value.source == field.replace("_", " ")
+    at_limit = msgspec.structs.replace(asks, **{field: "x" * MAX_NAME_CHARS})
+    assert [d.qualified_name for d in engine.plan(at_limit).devices] == ["nvidia.com/gpu=0"]
+    nothing = msgspec.structs.replace(container(), **{field: "x" * 1_000_000})
+    assert engine.plan(nothing).devices == ()
