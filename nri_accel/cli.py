@@ -83,12 +83,9 @@ def _kubelet_dir(text: str) -> str:
     """--kubelet-dir: a directory where kubelet's socket (the shortest of those the
     device plugin uses there) can have a unix socket path."""
     _path(text)
-    socket = os.path.join(os.path.abspath(text), KUBELET_SOCKET)
-    size = len(os.fsencode(socket))
-    if size > UNIX_PATH_MAX:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: its {KUBELET_SOCKET} would be a {size}-byte path, over the "
-            f"{UNIX_PATH_MAX}-byte limit of a unix socket path")
+    why = unix_socket_path_problem(os.path.join(os.path.abspath(text), KUBELET_SOCKET))
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: its {KUBELET_SOCKET} path {why}")
     return text
 
 

@@ -66,7 +66,8 @@ from typing import TYPE_CHECKING, Any
 from msgspec import Struct, field
 from msgspec.structs import replace
 
-from nri_accel.errors import AllocationError, RequestError
+from nri_accel.errors import AllocationError, RequestError, cut
+from nri_accel.files import PATH_MAX
 from nri_accel.inventory import (
     ContainerEdits,
     DeviceNode,
@@ -189,7 +190,7 @@ MAX_ENV_STRING = 32 * 4096
 MAX_EDITS = 1024
 # A path longer than PATH_MAX fails every system call (ENAMETOOLONG); real device, driver
 # and library paths have under 16 components. Both bound the walk a path costs.
-MAX_PATH_BYTES = 4096
+MAX_PATH_BYTES = PATH_MAX
 MAX_PATH_COMPONENTS = 256
 """Device nodes, mounts, env entries and hooks that one device or one driver capability
 may add. The answer for a device set is built on its first grant, at about 3 us an
@@ -321,7 +322,7 @@ def _check_path(path: str, what: str) -> None:
     # let "//proc" past the prefix checks below: refused.
     too_long = path_size_problem(path)
     if too_long:
-        raise UnsafeEdit(f"{what} {path[:64]!r}... {too_long}")
+        raise UnsafeEdit(f"{what} {cut(path, 64)!r} {too_long}")
     _check_utf8(path, what)
     if not path.startswith("/") or path.startswith("//") or "\0" in path:
         raise UnsafeEdit(f"{what} {path[:128]!r} is not an absolute path")

@@ -1,6 +1,7 @@
 """Bounded reads of files other programs write: never a wait, never more than asked.
 
-Owns: read_regular(), file_kind() and UnreadableFile. Imports the standard library only.
+Owns: read_regular(), file_kind(), UnreadableFile and PATH_MAX. Imports the standard
+library only.
 
 The host's sysfs and procfs values, its loader cache and CDI specs (discovery), and the
 record `nri-accel run` leaves for the device plugin are all read from paths something
@@ -16,6 +17,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
+
+PATH_MAX = 4096
+"""Linux's longest path, in bytes (what a path nri-accel walks or records may be)."""
 
 _KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
           (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a pipe (FIFO)"),

@@ -414,16 +414,14 @@ class Checkpoint:
         """Log that the checkpoint cannot be read, and keep it for inspection: renamed
         to <path>.unreadable (replacing an older one), out of the way of the checkpoint
         `run` writes next."""
-        kept = self.path + UNREADABLE_SUFFIX
+        kept: str | None = self.path + UNREADABLE_SUFFIX
+        failed: dict[str, str] = {}
         try:
             os.replace(self.path, kept)
         except OSError as e:
-            log.error("checkpoint_unreadable", path=self.path, error=error, kept=None,
-                      keep_error=e.strerror or str(e),
-                      meaning="counts are refused until a Synchronize tells what runs")
-        else:
-            log.error("checkpoint_unreadable", path=self.path, error=error, kept=kept,
-                      meaning="counts are refused until a Synchronize tells what runs")
+            kept, failed = None, {"keep_error": e.strerror or str(e)}
+        log.error("checkpoint_unreadable", path=self.path, error=error, kept=kept, **failed,
+                  meaning="counts are refused until a Synchronize tells what runs")
 
     def save(self, text: str) -> None:
         """Write `text` (Holdings.to_json) atomically. Raises OSError."""

@@ -167,7 +167,7 @@ def test_a_kubelet_dir_whose_socket_path_is_too_long_is_refused(capsys) -> None:
     assert build_parser().parse_args(["device-plugin", "--kubelet-dir", fits]).kubelet_dir == fits
     err = _refused(capsys, ["device-plugin", "--kubelet-dir", fits + "k"])
     assert "argument --kubelet-dir: " in err
-    assert "its kubelet.sock would be a 108-byte path, over the 107-byte limit" in err
+    assert "its kubelet.sock path is 108 bytes long, over the 107-byte limit" in err
 
 
 def test_help_says_what_each_verb_does_and_explain_its_exit_statuses() -> None:

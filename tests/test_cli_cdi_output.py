@@ -77,7 +77,7 @@ def _socket(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("make", "what"), [(_fifo, "a FIFO"), (_socket, "a socket")])
+@pytest.mark.parametrize(("make", "what"), [(_fifo, "a pipe (FIFO)"), (_socket, "a socket")])
 def test_anything_but_a_regular_file_or_directory_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], make, what: str) -> None:  # type: ignore[no-untyped-def]
     special = make(tmp_path / "s")

@@ -487,14 +487,9 @@ class DevicePlugins:
         if self._dir_fd is not None:
             return
         since: float | None = None
+        fd = -1
         try:
             fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as e:
-            log.warning("kubelet_dir_lock_failed", directory=self._dir,
-                        error=e.strerror or str(e), risk="a second device plugin here "
-                        "would not be noticed")
-            return
-        try:
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -509,13 +504,15 @@ class DevicePlugins:
                                            "kubelet directory; waiting for it to exit")
                     await asyncio.sleep(self._poll)
         except OSError as e:  # not BlockingIOError: the loop handles that
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             log.warning("kubelet_dir_lock_failed", directory=self._dir,
                         error=e.strerror or str(e), risk="a second device plugin here "
                         "would not be noticed")
             return
         except BaseException:  # cancelled: stopped while waiting
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             raise
         finally:
             self._waiting = False

@@ -28,13 +28,12 @@ from pathlib import PurePosixPath
 from msgspec import Struct
 
 from nri_accel.errors import cut
-from nri_accel.files import UnreadableFile, read_regular
+from nri_accel.files import PATH_MAX, UnreadableFile, read_regular
 
 MAX_SYMLINK_HOPS = 40  # as the kernel (MAXSYMLINKS)
 # Most read_text() returns: a sysfs attribute is at most a page (4 KiB), the procfs files
 # read (/proc/devices, /proc/driver/nvidia*) a few KiB; callers reading more say so.
 READ_LIMIT = 64 << 10
-PATH_MAX = 4096  # longest path walk_in_root accepts, in bytes (Linux PATH_MAX)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_PATH", 0)
 
 

@@ -22,13 +22,11 @@ import os
 from nri_accel.discover.base import host_device_node
 from nri_accel.discover.hostroot import HostRoot, walk_in_root
 from nri_accel.errors import DiscoveryError
-from nri_accel.inventory import DeviceNode, Problem
+from nri_accel.inventory import MAX_MAJOR, DeviceNode, Problem
 
 PROC_DEVICES = "/proc/devices"
 MAX_DIGITS = 20  # parse_uint: enough for any 64-bit value, far below int()'s 4300
 MAX_UINT = (1 << 64) - 1  # parse_uint's default range: a u64 sysfs value
-MAX_MAJOR = (1 << 12) - 1  # Linux majors are 12 bits (MINORBITS 20 of a 32-bit dev_t)
-MAX_MINOR = (1 << 20) - 1
 
 
 def read(root: HostRoot, host_path: str, problems: list[Problem] | None = None) -> str | None:

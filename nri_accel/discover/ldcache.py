@@ -36,7 +36,7 @@ from msgspec import Struct
 
 from nri_accel.discover.elf import read_elf
 from nri_accel.discover.hostroot import HostRoot, walk_in_root
-from nri_accel.files import read_regular
+from nri_accel.files import PATH_MAX, read_regular
 from nri_accel.inventory import Problem
 
 LD_SO_CACHE = "/etc/ld.so.cache"
@@ -48,7 +48,6 @@ _OLD_ENTRY = struct.Struct("<iII")
 # A large distribution's ld.so.cache (thousands of libraries) is under 2 MiB; 16 MiB
 # (about 130,000 entries) is room to spare, and bounds the parse to about a second.
 _MAX_CACHE_BYTES = 16 << 20
-_PATH_MAX = 4096  # longest string read from the cache (Linux PATH_MAX)
 _FILE_NAME_RE = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")
 
 FLAG_ELF_LIBC6 = 0x0003
@@ -147,10 +146,10 @@ def _parse_new(data: bytes, base: int) -> tuple[CacheEntry, ...]:
 
 
 def _cstr(data: bytes, offset: int) -> str:
-    end = data.find(b"\0", offset, offset + _PATH_MAX)
+    end = data.find(b"\0", offset, offset + PATH_MAX)
     if offset >= len(data) or end < 0:
         raise LdCacheError(f"string at offset {offset} is outside the file or longer than "
-                           f"{_PATH_MAX} bytes")
+                           f"{PATH_MAX} bytes")
     return data[offset:end].decode("utf-8", errors="surrogateescape")
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from nri_accel.app import REPORT, App
 from nri_accel.errors import ConfigError, NriAccelError
+from nri_accel.files import file_kind
 from nri_accel.inventory import ContainerEdits, Device, Inventory
 from nri_accel.vendors import family_of
 from nri_accel.vendors.cdi.spec import generate_specs, render_spec, spec_file_name
@@ -170,7 +171,7 @@ def main_cdi_generate(args: argparse.Namespace) -> int:
         found = _stat(path, args.output)
         if found is not None and not stat.S_ISREG(found.st_mode):
             what = "" if path == args.output else f"{path} "  # a symlink's target
-            raise ConfigError(f"{what}is {_file_type(found.st_mode)}, not {expected}: "
+            raise ConfigError(f"{what}is {file_kind(found.st_mode)}, not {expected}: "
                               "not replaced", source=f"--output {args.output}")
     for path, spec in targets:
         _write_atomically(path, render_spec(spec))
@@ -193,13 +194,6 @@ def _stat(path: str, output: str) -> os.stat_result | None:
         return None
     except OSError as e:  # ELOOP, EACCES on a directory above, ENOTDIR, ...
         raise ConfigError(f"{path}: {e.strerror or e}", source=f"--output {output}") from e
-
-
-def _file_type(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -250,7 +250,7 @@ def discover_neuron(root: HostRoot) -> Found:
     )
     devices += _cores(devices)
 
-    version = _read(root, root.sys_path(f"{MODULE_DIR}/version"))
+    version = kernel.read(root, root.sys_path(f"{MODULE_DIR}/version"))
     if version is None:
         problems.append(Problem(VENDOR, f"driver version unknown: "
                                 f"{root.sys_path(MODULE_DIR + '/version')} is missing"))
@@ -298,7 +298,7 @@ def _sysfs_facts(root: HostRoot, index: int) -> tuple[dict[str, str], tuple[int,
         return {}, (), [Problem(base, "missing: NeuronCore count and links unknown")]
     attributes: dict[str, str] = {}
     problems: list[Problem] = []
-    cores = _read(root, f"{base}/core_count", problems)
+    cores = kernel.read(root, f"{base}/core_count", problems)
     count = kernel.parse_uint(cores, maximum=MAX_CORES) if cores is not None else None
     if count is None:
         if cores is None:
@@ -313,11 +313,11 @@ def _sysfs_facts(root: HostRoot, index: int) -> tuple[dict[str, str], tuple[int,
     else:
         attributes["cores"] = str(count)
     for key, filename in _ARCH_FILES:
-        value = _read(root, f"{base}/info/architecture/{filename}", problems)
+        value = kernel.read(root, f"{base}/info/architecture/{filename}", problems)
         if value and value.strip():
             attributes[key] = value.strip()
     links: tuple[int, ...] = ()
-    connected = _read(root, f"{base}/connected_devices", problems)
+    connected = kernel.read(root, f"{base}/connected_devices", problems)
     if connected is not None:
         parts = [p.strip() for p in connected.split(",") if p.strip()]
         indices = [kernel.parse_uint(p, maximum=MAX_INDEX) for p in parts]
@@ -328,9 +328,3 @@ def _sysfs_facts(root: HostRoot, index: int) -> tuple[dict[str, str], tuple[int,
                                     "not a list of device indices: "
                                     f"{connected.strip()[:64]!r}"))
     return attributes, links, problems
-
-
-def _read(root: HostRoot, host_path: str, problems: list[Problem] | None = None
-          ) -> str | None:
-    """kernel.read: None when missing or unreadable, the latter a Problem."""
-    return kernel.read(root, host_path, problems)

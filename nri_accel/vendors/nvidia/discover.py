@@ -98,6 +98,7 @@ from nri_accel.discover.ldcache import ARCHES, COMPAT32, Arch, Locator
 from nri_accel.discover.probe import State, entries, file_state
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import (
+    MAX_MINOR,
     ContainerEdits,
     Device,
     DeviceNode,
@@ -187,8 +188,7 @@ _PROFILE_RE = re.compile(r"^(\d+c\.)?\d+g\.\d+gb(\+[a-z0-9]+)*$")
 _VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?$")
 _MIG_CAP_RE = re.compile(r"config|monitor|gpu[0-9]+/gi[0-9]+(/ci[0-9]+)?/access")
 _MINOR_RE = re.compile(r"[0-9]{1,7}")
-_MAX_MINOR = (1 << 20) - 1  # Linux minors are 20 bits
-_CAP_FIELD_MAX = {"DeviceFileMinor": _MAX_MINOR, "DeviceFileMode": 0o7777}
+_CAP_FIELD_MAX = {"DeviceFileMinor": MAX_MINOR, "DeviceFileMode": 0o7777}
 
 
 def normalise_pci_bus_id(value: str) -> str:
@@ -466,7 +466,7 @@ def parse_mig_minors(text: str) -> dict[str, int]:
     for line in text.splitlines():
         fields = line.split()
         if len(fields) != 2 or not _MIG_CAP_RE.fullmatch(fields[0]) \
-                or not _MINOR_RE.fullmatch(fields[1]) or int(fields[1]) > _MAX_MINOR:
+                or not _MINOR_RE.fullmatch(fields[1]) or int(fields[1]) > MAX_MINOR:
             continue
         out.setdefault(fields[0], int(fields[1]))
     return out
