@@ -43,7 +43,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from functools import partial
 from logging import DEBUG
 from typing import Any
@@ -58,7 +58,7 @@ from nri_accel.health import HealthWatches
 from nri_accel.inventory import Inventory
 from nri_accel.metrics import ERROR, OK, REFUSED, RUN_EVENTS, RequestRecorder, device_counts
 from nri_accel.nri import adjust, convert
-from nri_accel.nri.stub import ENV_PLUGIN_SOCKET, Stub, resolve_identity
+from nri_accel.nri.stub import ENV_PLUGIN_SOCKET, Stub, resolve_identity, run_steps
 from nri_accel.request import ANNOTATION_PREFIXES, ENV_PREFIXES, RESERVED_KEYS
 from nri_accel.state import (
     Checkpoint,
@@ -119,12 +119,14 @@ class AccelPlugin:
                         reason="nri-accel reads its settings from --config "
                                f"(default {DEFAULT_CONFIG_PATH}), not from the runtime")
 
-    def keep_synchronized(self, pods: Any, containers: Any) -> tuple[list[Any], list[Any]]:
+    def keep_synchronized(self, pods: Any, containers: Any,
+                          ) -> Generator[None, None, tuple[list[Any], list[Any]]]:
         """What the stub keeps of each part of a Synchronize until the last: what
         synchronize() reads (tens of thousands of containers: not their messages), and
         of the containers only those that can hold a grant, one carrying a grant
         annotation or one the holdings list (Engine.grants_in reads a grant from the
-        first, else from the second; on a node of 60,000 containers, a few hundred)."""
+        first, else from the second; on a node of 60,000 containers, a few hundred). A
+        generator of steps (convert.synced()), which the stub runs."""
         return convert.synced(pods, containers, RESERVED_KEYS, self.engine.held_containers())
 
     async def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
@@ -167,14 +169,8 @@ class AccelPlugin:
         reads of it is gathered a slice at a time (convert.large_container_info), the
         event loop free in between (the whole would hold it 10 to 100 ms), then planned
         as any other (one that asks nothing too: such a request is rare)."""
-        steps = convert.large_container_info(pod, container, ENV_SCOPE, ANNOTATION_PREFIXES,
-                                             CONTAINER_KEYS)
-        while True:
-            await asyncio.sleep(0)  # the first turn: decoding the request held the loop
-            try:
-                next(steps)
-            except StopIteration as done:
-                return self._create(done.value, started)
+        return self._create(await run_steps(convert.large_container_info(
+            pod, container, ENV_SCOPE, ANNOTATION_PREFIXES, CONTAINER_KEYS)), started)
 
     def _create(self, info: ContainerInfo, started: int) -> Any:
         """The adjustment for the container `info`, recorded and logged; or its refusal."""

@@ -39,10 +39,11 @@ every pod's and container's annotations undecoded (kept among its unknown fields
 ms for the most 4 MiB can hold. synced() then looks for the keys it reads (the grant
 annotations) in each bare pod's and container's bytes, in C, and decodes the
 annotations of only the few where one appears: as a map up to SYNC_MAP_BYTES, beyond
-that as their entries (the large view's Annotation). A key absent from the bytes is
-absent from the map, so what synced() keeps is what the map would give. One
-difference, on bytes a runtime never writes: damage inside the annotations of a pod or
-container that holds none of the keys read goes unseen (the map view refuses the part).
+that as their entries (the large view's Annotation), LARGE_SLICE a step. A key
+absent from the bytes is absent from the map, so what synced() keeps is what the map
+would give. One difference, on bytes a runtime never writes: damage inside the
+annotations of a pod or container that holds none of the keys read goes unseen (the
+map view refuses the part).
 
 Names: containerd names a container from its CRI metadata; CRI-O names it from the
 `io.kubernetes.container.name` label, so a container created without kubelet's labels
@@ -391,7 +392,7 @@ _NO_ANNOTATIONS: Mapping[str, str] = MappingProxyType({})
 
 def synced(pods: Iterable[Any], containers: Iterable[Any],
            keys: Iterable[str], ids: Collection[str] | None = None,
-           ) -> tuple[list[SyncedPod], list[SyncedContainer]]:
+           ) -> Generator[None, None, tuple[list[SyncedPod], list[SyncedContainer]]]:
     """The pods and containers of (a part of) a Synchronize, each as the little
     live_containers() reads of it, with of their annotations only `keys`; of the
     containers, when `ids` is given, only those that carry one of `keys` or whose id
@@ -401,34 +402,42 @@ def synced(pods: Iterable[Any], containers: Iterable[Any],
     containers may be messages with their annotations (nri_pb2's, or a view's) or bare
     (decode_synchronize(), is_bare()): of those, the annotations are decoded only where
     the bytes hold one of `keys` (and, for a container with no name, CRI-O's metadata
-    annotation, read for its name)."""
+    annotation, read for its name).
+
+    A generator of steps, as large_container_info(): the caller gives the event loop a
+    turn between steps and gets the pods and containers as its value. A step ends after
+    each LARGE_SLICE annotations of a bare pod or container over SYNC_MAP_BYTES that is
+    read entry by entry (100,000 of them: 30-50 ms); the rest takes one step."""
     keys = tuple(keys)
     intern = sys.intern  # a pod's id and namespace recur in each of its containers
     needles, nameless = _needles_of(keys), _needles_of((*keys, CRIO_METADATA))
+    kept_pods = []
+    for p in pods:
+        annotations = (yield from _kept_bare(p, keys, needles, views.PodSandbox,
+                                             views.LargePodSandbox)) \
+            if type(p) in _BARE else _wanted(p.annotations, keys)
+        kept_pods.append(SyncedPod(intern(p.id), intern(p.namespace), p.name, p.uid,
+                                   annotations))
+    kept_containers = []
+    for c in containers:
+        if type(c) not in _BARE:
+            name, annotations = container_name(c), _wanted(c.annotations, keys)
+        elif c.name:
+            name = c.name
+            annotations = yield from _kept_bare(c, keys, needles, views.SyncedContainer,
+                                                views.LargeSyncedContainer)
+        else:  # CRI-O names a container without kubelet's labels in an annotation only
+            read = yield from _kept_bare(c, (*keys, CRIO_METADATA), nameless,
+                                         views.SyncedContainer, views.LargeSyncedContainer)
+            name, annotations = name_of("", read), _wanted(read, keys)
+        if annotations or ids is None or c.id in ids:
+            kept_containers.append(SyncedContainer(c.id, intern(c.pod_sandbox_id), name,
+                                                   c.state, annotations))
+    return kept_pods, kept_containers
 
-    def kept(item: Any, entries: Any, large: Any) -> Mapping[str, str]:
-        if type(item) in _BARE:
-            return _kept_bare(item, keys, needles, entries, large)
-        annotations = item.annotations
-        return {k: annotations[k] for k in keys if k in annotations} or _NO_ANNOTATIONS
 
-    def named(c: Any) -> tuple[Any, str, Mapping[str, str]]:
-        if c.name or type(c) not in _BARE:
-            return c, container_name(c), kept(c, views.SyncedContainer,
-                                              views.LargeSyncedContainer)
-        # CRI-O names a container without kubelet's labels in an annotation only
-        read = _kept_bare(c, (*keys, CRIO_METADATA), nameless, views.SyncedContainer,
-                          views.LargeSyncedContainer)
-        return c, name_of("", read), {k: read[k] for k in keys if k in read} or \
-            _NO_ANNOTATIONS
-
-    read = map(named, containers)
-    if ids is not None:
-        read = (r for r in read if r[2] or r[0].id in ids)  # type: ignore[assignment]
-    return ([SyncedPod(intern(p.id), intern(p.namespace), p.name, p.uid,
-                       kept(p, views.PodSandbox, views.LargePodSandbox)) for p in pods],
-            [SyncedContainer(c.id, intern(c.pod_sandbox_id), name, c.state, annotations)
-             for c, name, annotations in read])
+def _wanted(annotations: Mapping[str, str], keys: tuple[str, ...]) -> Mapping[str, str]:
+    return {k: annotations[k] for k in keys if k in annotations} or _NO_ANNOTATIONS
 
 
 @lru_cache(maxsize=16)
@@ -442,24 +451,24 @@ def _needles_of(keys: tuple[str, ...]) -> tuple[bytes, ...]:
 
 
 def _kept_bare(item: Any, keys: tuple[str, ...], needles: tuple[bytes, ...],
-               entries: Any, large: Any) -> Mapping[str, str]:
+               entries: Any, large: Any) -> Generator[None, None, Mapping[str, str]]:
     """Of a bare pod's or container's annotations, `keys`: none where no needle appears
     in its bytes (its own fields and the undecoded annotations, serialised again in C);
     else its annotations decoded, as a map (`entries`, the view with them as a map) up
-    to SYNC_MAP_BYTES, beyond that as entries (`large`), read as protobuf reads them
-    into a map: the last entry of a key wins, and an entry holding a field other than
-    key and value is set aside (see api/nri_views.proto)."""
+    to SYNC_MAP_BYTES, beyond that as entries (`large`), read LARGE_SLICE a step as
+    protobuf reads them into a map: the last entry of a key wins, and an entry holding
+    a field other than key and value is set aside (see api/nri_views.proto)."""
     raw = item.SerializeToString()
     if not any(n in raw for n in needles):
         return _NO_ANNOTATIONS
     if len(raw) <= SYNC_MAP_BYTES:
-        annotations = entries.FromString(raw).annotations
-        return {k: annotations[k] for k in keys if k in annotations} or _NO_ANNOTATIONS
+        return _wanted(entries.FromString(raw).annotations, keys)
     wanted, found = frozenset(keys), {}
-    for a in large.FromString(raw).annotations:
-        if a.key in wanted and not UnknownFieldSet(a):
-            found[a.key] = a.value
-    return {k: found[k] for k in keys if k in found} or _NO_ANNOTATIONS
+    for part in _slices(large.FromString(raw).annotations, LARGE_SLICE):
+        found.update((a.key, a.value) for a in part
+                     if a.key in wanted and not UnknownFieldSet(a))
+        yield
+    return _wanted(found, keys)
 
 
 def live_containers(containers: Iterable[pb.Container | SyncedContainer],

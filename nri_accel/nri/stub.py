@@ -15,7 +15,8 @@ iteration, which is the fastest way through):
 
     configure(config, runtime_name, runtime_version) -> int | None   (event mask)
     synchronize(pods, containers) -> list[ContainerUpdate] | None
-    keep_synchronized(pods, containers) -> (pods, containers)   (plain)
+    keep_synchronized(pods, containers) -> (pods, containers)
+           (plain; or a generator of steps returning the pair: see run_steps())
     shutdown() -> None
     run_pod_sandbox(pod), stop_pod_sandbox(pod), remove_pod_sandbox(pod),
     post_update_pod_sandbox(pod), update_pod_sandbox(pod, overhead, resources)
@@ -66,8 +67,8 @@ import signal
 import socket
 import stat
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
+from typing import Any, NoReturn, TypeVar
 
 from google.protobuf.message import DecodeError
 from msgspec import Struct
@@ -116,6 +117,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _IDX_RE = re.compile(r"^[0-9]{2}$")
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 E = pb.Event
 VALID_EVENTS = (1 << (pb.LAST - 1)) - 1
@@ -529,11 +531,10 @@ class Stub:
         time, the event loop free in between (a 4 MiB part lists thousands)."""
         pods, containers, more = req.pods, req.containers, req.more
         for start in range(0, len(pods), SYNC_SLICE):
-            self._sync_pods.extend(keep(pods[start:start + SYNC_SLICE], [])[0])
-            await asyncio.sleep(0)
+            self._sync_pods.extend((await _kept(keep(pods[start:start + SYNC_SLICE], [])))[0])
         for start in range(0, len(containers), SYNC_SLICE):
-            self._sync_containers.extend(keep([], containers[start:start + SYNC_SLICE])[1])
-            await asyncio.sleep(0)
+            self._sync_containers.extend(
+                (await _kept(keep([], containers[start:start + SYNC_SLICE])))[1])
         if more:
             log.debug("sync_chunk", pods=len(pods), containers=len(containers))
         answer = self._part_done(handler, more)
@@ -699,6 +700,26 @@ def _handled_mask(handlers: Mapping[str, Any]) -> int:
         for event in NOTIFICATIONS:
             mask |= event_bit(event)
     return mask
+
+
+async def run_steps(steps: Generator[None, None, T]) -> T:
+    """The value of a generator of steps (one of nri.convert's readers of a large
+    request), run with the event loop given a turn before each step."""
+    while True:
+        await asyncio.sleep(0)
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+async def _kept(kept: Any) -> tuple[Any, Any]:
+    """What keep_synchronized() returned, run to its value if it is a generator of
+    steps; the event loop has had a turn since."""
+    if inspect.isgenerator(kept):
+        return await run_steps(kept)
+    await asyncio.sleep(0)
+    return kept
 
 
 async def _linger(mux: MuxProtocol) -> None:

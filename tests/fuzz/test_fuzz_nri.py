@@ -29,7 +29,6 @@ Properties:
 from __future__ import annotations
 
 import functools
-from collections.abc import Generator
 from typing import Any
 
 from demo_node import demo_inventory
@@ -38,6 +37,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 from hypothesis import given
 from hypothesis import strategies as st
+from steps import finished
 
 from nri_accel.config import Config, PolicyConfig
 from nri_accel.container import ContainerInfo
@@ -145,7 +145,7 @@ def create(eng: Engine, data: bytes) -> None:
     steps = large_container_info(large.pod, large.container, ENV_SCOPE, ANNOTATION_PREFIXES,
                                  CONTAINER_KEYS)
     if not set_aside:
-        assert planned(eng, _value(steps)) == planned(eng, info)
+        assert planned(eng, finished(steps)) == planned(eng, info)
     served = SERVED(data)
     if is_glance(served.container):  # it asks nothing: the whole path answers nothing
         answer = planned(eng, info)
@@ -169,15 +169,6 @@ def create(eng: Engine, data: bytes) -> None:
         assert not isinstance(err, InternalError)
         assert err.source and str(err).startswith(err.source + ": ")
         assert (eng.holdings.grants(), eng.holdings.version) == before
-
-
-def _value(steps: Generator[None, None, ContainerInfo]) -> ContainerInfo:
-    """What large_container_info() returns, its steps taken one after the other."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
 
 
 def planned(eng: Engine, info: ContainerInfo) -> tuple[Any, ...]:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from demo_node import demo_inventory
 from msgspec.structs import replace
+from steps import finished
 from structlog.testing import capture_logs
 
 from nri_accel.config import Config, PolicyConfig
@@ -351,11 +352,9 @@ def test_a_container_is_read_as_the_large_view_reads_it_keeping_the_keys_the_eng
     view = convert.decode_create(payload)
     small = convert.read_container_info(view.pod, view.container, ENV_PREFIXES, *keys)
     large = convert.views.LargeCreateContainerRequest.FromString(payload)
-    steps = convert.large_container_info(large.pod, large.container, ENV_PREFIXES, *keys)
-    with pytest.raises(StopIteration) as done:
-        while True:
-            next(steps)
-    read = done.value.value  # of the env, only the entries in scope; a small env is whole
+    read = finished(convert.large_container_info(large.pod, large.container, ENV_PREFIXES,
+                                                 *keys))
+    # of the env, only the entries in scope; a small env is whole
     assert read.env == convert.env_entries(small.env, ENV_PREFIXES) == (
         "NVIDIA_VISIBLE_DEVICES=1",)
     assert replace(small, env=read.env) == read

@@ -10,6 +10,7 @@ import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from steps import counted, finished
 
 from nri_accel.nri import convert
 from nri_accel.nri import nri_pb2 as pb
@@ -59,7 +60,7 @@ def _varint(n: int) -> bytes:
 
 
 def _read(req: Any, ids: set[str] | None) -> Any:
-    return convert.synced(req.pods, req.containers, KEYS, ids), req.more
+    return finished(convert.synced(req.pods, req.containers, KEYS, ids)), req.more
 
 
 def _through_the_map(payload: bytes, ids: set[str] | None) -> Any:
@@ -113,13 +114,14 @@ def test_a_part_over_sync_map_bytes_is_decoded_bare() -> None:
     assert not convert.is_bare(small.pods[0]) and not convert.is_bare(small.containers[0])
     assert convert.is_bare(large.pods[0]) and convert.is_bare(large.containers[0])
     assert convert.REQUEST_DECODERS["Synchronize"] is convert.decode_synchronize
-    pods, containers = convert.synced(large.pods, large.containers, KEYS)
+    pods, containers = finished(convert.synced(large.pods, large.containers, KEYS))
     assert [dict(p.annotations) for p in pods] == [{GRANTED: "nvidia.com/gpu=0"}]
     assert [dict(c.annotations) for c in containers] == [{SHARED: "nvidia.com/gpu=1"}]
 
 
 def test_a_container_with_huge_annotations_comes_bare_and_keeps_its_grant() -> None:
-    # 200,000 annotations: decoded as a map, 300-500 ms in one call
+    # 200,000 annotations: decoded as a map, 300-500 ms in one call; read entry by
+    # entry, 60-100 ms: LARGE_SLICE a step, the event loop free between steps
     ctr = pb.Container(id="c", pod_sandbox_id="p", state=pb.CONTAINER_RUNNING,
                        annotations={f"k{i}": "v" for i in range(200_000)})
     ctr.annotations[GRANTED] = "nvidia.com/gpu=0"
@@ -129,9 +131,11 @@ def test_a_container_with_huge_annotations_comes_bare_and_keeps_its_grant() -> N
     payload = pb.SynchronizeRequest(containers=[ctr, other]).SerializeToString()
     req = convert.decode_synchronize(payload)
     assert [type(c) for c in req.containers] == [views.BareSyncedContainer] * 2
-    _, kept = convert.synced(req.pods, req.containers, KEYS, ids=set())
+    (_, kept), steps = counted(convert.synced(req.pods, req.containers, KEYS, ids=set()))
     assert kept == [convert.SyncedContainer("c", "p", "from-crio", pb.CONTAINER_RUNNING,
                                             {GRANTED: "nvidia.com/gpu=0"})]
+    # `other` holds no key synced() reads: its annotations are not decoded, no step
+    assert steps == -(-len(ctr.annotations) // convert.LARGE_SLICE) == 101
 
 
 def test_an_entry_with_an_unknown_field_is_set_aside_as_the_map_does() -> None:
@@ -141,10 +145,11 @@ def test_an_entry_with_an_unknown_field_is_set_aside_as_the_map_does() -> None:
     for entry in (plain, odd):
         body += b"\x32" + bytes([len(entry)]) + entry
     payload = b"\x12" + _varint(len(body)) + body
-    expected = convert.synced([], views.SynchronizeRequest.FromString(payload).containers, KEYS)
+    expected = finished(convert.synced(
+        [], views.SynchronizeRequest.FromString(payload).containers, KEYS))
     assert [dict(c.annotations) for c in expected[1]] == [{GRANTED: "y"}]
     bare = views.BareSynchronizeRequest.FromString(payload).containers
     for map_bytes in (0, 1 << 20):
         with pytest.MonkeyPatch.context() as m:
             m.setattr(convert, "SYNC_MAP_BYTES", map_bytes)
-            assert convert.synced([], bare, KEYS) == expected
+            assert finished(convert.synced([], bare, KEYS)) == expected

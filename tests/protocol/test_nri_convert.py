@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from steps import finished
 from wire import runtime_requests
 
 from nri_accel.nri import convert
@@ -90,7 +91,8 @@ def test_synced_keeps_of_the_containers_those_with_a_key_or_a_listed_id() -> Non
     listed = make_container(pod, {"name": "b"})
     other = make_container(pod, {"name": "c", "annotations": {"unrelated": "y"}})
     keys = ["nri-accel.io/granted"]
-    pods, kept = convert.synced([pod], [granted, listed, other], keys, ids={listed.id})
+    pods, kept = finished(convert.synced([pod], [granted, listed, other], keys,
+                                         ids={listed.id}))
     assert [c.id for c in kept] == [granted.id, listed.id] and [p.id for p in pods] == [pod.id]
-    _, every = convert.synced([pod], [granted, listed, other], keys)
+    _, every = finished(convert.synced([pod], [granted, listed, other], keys))
     assert [c.id for c in every] == [granted.id, listed.id, other.id]

@@ -8,7 +8,7 @@ import itertools
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from typing import Any
 
 import pytest
@@ -531,6 +531,46 @@ async def test_keep_synchronized_takes_a_slice_at_a_time_and_the_loop_turns_betw
     seen = [at for _, at in plugin.calls]
     assert all(a < b for a, b in itertools.pairwise(seen))  # the loop ran between any two
     assert plugin.synced == [(1, 1500)]
+
+
+async def test_a_keep_synchronized_of_steps_is_run_a_step_per_loop_turn(
+    sock_path: str,
+) -> None:
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    class Steps(Injector):
+        """keep_synchronized() as a generator of three steps (as nri.convert.synced()
+        reads a huge container): notes the loop turns at each step."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps: list[int] = []
+
+        def keep_synchronized(self, pods: Any, containers: Any,
+                              ) -> Generator[None, None, tuple[list[Any], list[Any]]]:
+            for _ in range(3):
+                self.steps.append(turns)
+                yield
+            return [p.id for p in pods], [c.id for c in containers]
+
+    plugin = Steps()
+    counter = asyncio.get_running_loop().create_task(count_turns())
+    try:
+        async with serving(plugin, sock_path) as (sim, _):
+            _big_state(sim, 600)
+            await sim.wait_for_plugin()
+    finally:
+        counter.cancel()
+    slices = 1 + -(-600 // SYNC_SLICE)  # the pod, then the containers SYNC_SLICE at a time
+    assert len(plugin.steps) == 3 * slices
+    assert all(a < b for a, b in itertools.pairwise(plugin.steps))  # the loop ran between
+    assert plugin.synced == [(1, 600)]  # what the generators returned was kept
 
 
 async def test_a_plugin_without_synchronize_still_passes_split_synchronisation(
