@@ -180,13 +180,14 @@ class _Logger:
     each write, never frozen at bind time (other factories, such as structlog's
     default printing to the sys.stdout of that moment, are bound per call)."""
 
-    __slots__ = ("_cache", "_values")
+    __slots__ = ("_cache", "_level_test", "_values")
 
     def __init__(self, values: dict[str, Any]) -> None:
         self._values = values
         # (factory, wrapper class, processors, context class, bound logger), one tuple
         # so that a thread reading it never pairs one configuration with another's logger
         self._cache: tuple[Any, ...] = ()
+        self._level_test: tuple[Any, ...] = ()  # (wrapper class, its is_enabled_for)
 
     # The log methods in use are properties: reaching them through __getattr__ would
     # first build and throw away an AttributeError on every call.
@@ -212,8 +213,17 @@ class _Logger:
 
     def is_enabled_for(self, level: int) -> bool:
         """Whether a line of `level` (logging.DEBUG, ...) would be emitted: a guard for
-        a line on the hot path, where even an unemitted call costs its arguments."""
-        return self._bound().is_enabled_for(level)  # type: ignore[no-any-return]
+        a line on the hot path, where even an unemitted call costs its arguments.
+        A filtering wrapper class (structlog's, as configure() sets) decides by its own
+        level alone, so its test is kept while that class stays the configured one: a
+        quarter of the instructions of _bound()'s four checks."""
+        wrapper = _CONFIG.default_wrapper_class
+        kept = self._level_test
+        if kept and kept[0] is wrapper:
+            return kept[1](level)  # type: ignore[no-any-return]
+        test = self._bound().is_enabled_for
+        self._level_test = (wrapper, test)
+        return test(level)  # type: ignore[no-any-return]
 
     def __getattr__(self, name: str) -> Any:  # the rest of the bound logger's interface
         if name.startswith("__"):  # introspection (copy, abc, inspect): not a log method
