@@ -48,6 +48,8 @@ from functools import partial
 from logging import DEBUG
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from nri_accel import log as logging_setup
 from nri_accel.app import DAEMON, App
 from nri_accel.config import DEFAULT_CONFIG_PATH
@@ -58,7 +60,7 @@ from nri_accel.health import HealthWatches
 from nri_accel.inventory import Inventory
 from nri_accel.metrics import ERROR, OK, REFUSED, RUN_EVENTS, RequestRecorder, device_counts
 from nri_accel.nri import adjust, convert
-from nri_accel.nri.stub import ENV_PLUGIN_SOCKET, Stub, resolve_identity, run_steps
+from nri_accel.nri.stub import ENV_PLUGIN_SOCKET, Stub, malformed, resolve_identity, run_steps
 from nri_accel.request import ANNOTATION_PREFIXES, ENV_PREFIXES, RESERVED_KEYS
 from nri_accel.state import (
     Checkpoint,
@@ -164,13 +166,19 @@ class AccelPlugin:
             pod, container, ENV_SCOPE, ANNOTATION_PREFIXES, CONTAINER_KEYS), started)
 
     async def _create_large(self, pod: Any, container: Any, started: int) -> Any:
-        """A request over convert.LARGE_REQUEST bytes, in the large view (a 4 MiB one
-        holds 100,000 env variables or annotations, or 60,000 mounts): what the Engine
-        reads of it is gathered a slice at a time (convert.large_container_info), the
-        event loop free in between (the whole would hold it 10 to 100 ms), then planned
-        as any other (one that asks nothing too: such a request is rare)."""
-        return self._create(await run_steps(convert.large_container_info(
-            pod, container, ENV_SCOPE, ANNOTATION_PREFIXES, CONTAINER_KEYS)), started)
+        """A request over convert.LARGE_REQUEST bytes, its pod and container undecoded
+        (a 4 MiB one holds 100,000 env variables or annotations, 60,000 mounts, or 1.3
+        million one-byte env entries): what the Engine reads of it is decoded and
+        gathered a run of fields at a time (convert.large_container_info), the event
+        loop free in between (the whole would hold it 10 to 100 ms), then planned as any
+        other (one that asks nothing too: such a request is rare). Bytes that do not
+        decode are refused as the stub refuses them."""
+        try:
+            info = await run_steps(convert.large_container_info(
+                pod, container, ENV_SCOPE, ANNOTATION_PREFIXES, CONTAINER_KEYS))
+        except DecodeError as exc:
+            raise malformed("CreateContainerRequest", exc) from exc
+        return self._create(info, started)
 
     def _create(self, info: ContainerInfo, started: int) -> Any:
         """The adjustment for the container `info`, recorded and logged; or its refusal."""

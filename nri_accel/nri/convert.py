@@ -24,9 +24,11 @@ does the same a part at a time.
 
 Large requests: a CreateContainer over LARGE_REQUEST bytes (a huge env, huge
 annotations, tens of thousands of mounts or devices: up to the 4 MiB message limit) is
-decoded as the large view (is_large()), whose annotations are their map entries, and
-read by large_container_info() a slice at a time, for a caller that gives the event
-loop a turn between slices.
+decoded only as far as its pod's and its container's encodings (is_large(): each an
+Encoded), which large_container_info() decodes a run of fields at a time
+(nri.fields.runs), as the large views, whose annotations are their map entries, for a
+caller that gives the event loop a turn between runs: protobuf builds a repeated
+field's elements at 30-40 ns each, and 4 MiB holds 1.3 million one-byte env entries.
 
 Synchronize: a runtime lists every pod and container of the node, split into parts of
 up to its 4 MiB message limit (containerd 2.x; a node of 60,000 containers: some 30
@@ -39,7 +41,7 @@ every pod's and container's annotations undecoded (kept among its unknown fields
 ms for the most 4 MiB can hold. synced() then looks for the keys it reads (the grant
 annotations) in each bare pod's and container's bytes, in C, and decodes the
 annotations of only the few where one appears: as a map up to SYNC_MAP_BYTES, beyond
-that as their entries (the large view's Annotation), LARGE_SLICE a step. A key
+that as their entries (the large view's Annotation), a run of fields a step. A key
 absent from the bytes is absent from the map, so what synced() keeps is what the map
 would give. One difference, on bytes a runtime never writes: damage inside the
 annotations of a pod or container that holds none of the keys read goes unseen (the
@@ -68,6 +70,7 @@ from msgspec import Struct
 from nri_accel.container import ContainerInfo
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri import nri_views_pb2 as views
+from nri_accel.nri.fields import Encoding, runs, values
 
 CRIO_METADATA = "io.kubernetes.cri-o.Metadata"
 _MAX_METADATA_CHARS = 4096
@@ -75,10 +78,6 @@ LARGE_ENV = 1024
 """Entries from which an env is large (see the module docstring)."""
 LARGE_REQUEST = 64 * 1024
 """Bytes from which a CreateContainer is decoded as the large view (module docstring)."""
-LARGE_SLICE = 2_000
-"""Annotations, mounts, devices or env entries of a large view read in one step of
-large_container_info(): 1-2 ms of work where an entry takes 0.5-1 us (an annotation
-kept; an env entry starting with a searched prefix, found and tested in Python)."""
 SYNC_MAP_BYTES = 128 * 1024
 """Bytes up to which a Synchronize part, and a pod or container of a larger part that
 carries a key synced() reads, is decoded with its annotations as maps (the module
@@ -86,15 +85,31 @@ docstring): 128 KiB hold at most some 14,000 distinct keys (9 bytes an entry, th
 least a distinct key of 3 characters takes), whose map decodes in 2-3 ms, or 65,000
 entries of one key (0.3 us each: 2 ms)."""
 
-Pod = pb.PodSandbox | views.PodSandbox | views.LargePodSandbox
-Container = pb.Container | views.Container | views.GlanceContainer | views.LargeContainer
+Pod = pb.PodSandbox | views.PodSandbox
+Container = pb.Container | views.Container | views.GlanceContainer
 """A pod or container of a CreateContainer: the full message, or a view of it."""
 
 
+class Encoded(Struct, frozen=True):
+    """A pod or the container of a CreateContainer over LARGE_REQUEST bytes, undecoded:
+    its encoding (a view of the request's bytes; every occurrence of its field joined,
+    which protobuf would merge into one message, where there are several), for
+    large_container_info() to read a run of fields at a time."""
+
+    data: Encoding
+
+
+class LargeCreate(Struct, frozen=True):
+    """A CreateContainer over LARGE_REQUEST bytes, as decode_create() gives it."""
+
+    pod: Encoded
+    container: Encoded
+
+
 def decode_create(payload: bytes, asks: Callable[[Pod, Container], bool] | None = None) -> \
-        views.CreateContainerRequest | views.GlanceCreateContainerRequest | \
-        views.LargeCreateContainerRequest:
-    """A CreateContainer request's bytes as its view; over LARGE_REQUEST, the large one.
+        views.CreateContainerRequest | views.GlanceCreateContainerRequest | LargeCreate:
+    """A CreateContainer request's bytes as its view; over LARGE_REQUEST, its pod's and
+    container's encodings (decoding them is large_container_info()'s).
     Given `asks`, a test of whether a container asks for anything, the request is first
     decoded at a glance (annotations, env, ids, names), and as the full view only when
     `asks` of the glance is true: for a container that asks nothing, the glance is all
@@ -102,7 +117,7 @@ def decode_create(payload: bytes, asks: Callable[[Pod, Container], bool] | None 
     that asks is decoded twice, a few us more on a path of a few hundred).
     Raises protobuf's DecodeError."""
     if len(payload) > LARGE_REQUEST:
-        return views.LargeCreateContainerRequest.FromString(payload)
+        return decode_large(payload)
     if asks is not None:
         glance = views.GlanceCreateContainerRequest.FromString(payload)
         if not asks(glance.pod, glance.container):
@@ -145,10 +160,25 @@ and containers of a Synchronize part over SYNC_MAP_BYTES come bare: read them wi
 synced()."""
 
 
-def is_large(container: Container) -> bool:
-    """Whether the container comes in the large view (its request was over
-    LARGE_REQUEST bytes): read it with large_container_info()."""
-    return isinstance(container, views.LargeContainer)
+def decode_large(payload: bytes) -> LargeCreate:
+    """A CreateContainer request's bytes as its pod's (field 1) and its container's
+    (field 2) encodings, views of the bytes: a copy of 4 MiB takes some 2 ms, the
+    first touch of each new page of memory. Raises protobuf's DecodeError."""
+    found = values(payload, frozenset((_POD, _CONTAINER)))
+    return LargeCreate(Encoded(_joined(found[_POD])), Encoded(_joined(found[_CONTAINER])))
+
+
+_POD, _CONTAINER = 1, 2  # CreateContainerRequest's field numbers
+
+
+def _joined(occurrences: list[memoryview]) -> Encoding:
+    return occurrences[0] if len(occurrences) == 1 else b"".join(occurrences)
+
+
+def is_large(container: Container | Encoded) -> bool:
+    """Whether the container comes as its encoding (its request was over LARGE_REQUEST
+    bytes): read it with large_container_info()."""
+    return isinstance(container, Encoded)
 
 
 def is_glance(container: Container) -> bool:
@@ -157,43 +187,61 @@ def is_glance(container: Container) -> bool:
     return isinstance(container, views.GlanceContainer)
 
 
-def large_container_info(pod: views.LargePodSandbox, container: views.LargeContainer,
-                         env_scope: tuple[str, ...], pod_keys: tuple[str, ...],
-                         own_keys: tuple[str, ...]) -> Generator[None, None, ContainerInfo]:
-    """container_info() of a container in the large view, one slice of its entries per
-    step (LARGE_SLICE): the caller gives the event loop a turn between steps and gets
-    the ContainerInfo as the generator's value. It keeps what its caller reads: the env
-    entries that start with one of `env_scope`, the pod's annotations whose key starts
-    with one of `pod_keys` and the container's with one of `own_keys` (of a key given
-    twice, the later entry, as protobuf decodes a map), every device path and mount
-    destination."""
+def large_container_info(pod: Encoded, container: Encoded, env_scope: tuple[str, ...],
+                         pod_keys: tuple[str, ...], own_keys: tuple[str, ...],
+                         ) -> Generator[None, None, ContainerInfo]:
+    """container_info() of a pod and container given as their encodings, one run of
+    fields per step (nri.fields.runs: protobuf decodes each as the large view): the
+    caller gives the event loop a turn between steps and gets the ContainerInfo as the
+    generator's value. It keeps what its caller reads: the env entries that start with
+    one of `env_scope`, the pod's annotations whose key starts with one of `pod_keys`
+    and the container's with one of `own_keys` (of a key given twice, the later entry,
+    as protobuf decodes a map), every device path and mount destination, and of each
+    of the ids and names the last run that holds it (as protobuf keeps a singular
+    field's last occurrence). Raises protobuf's DecodeError."""
+    pod_fields: dict[str, str] = {}
+    pod_annotations: dict[str, str] = {}
+    for run in runs(pod.data):
+        part = views.LargePodSandbox.FromString(run)
+        _present(part, ("id", "name", "uid", "namespace"), pod_fields)
+        pod_annotations.update((a.key, a.value) for a in part.annotations
+                               if a.key.startswith(pod_keys))
+        yield
+    fields: dict[str, str] = {}
+    annotations: dict[str, str] = {}
     env: list[str] = []
-    for part in _slices(container.env, LARGE_SLICE):
-        env += env_entries(part, env_scope)
-        yield
-    annotations: list[dict[str, str]] = []
-    for entries, keys in ((pod.annotations, pod_keys), (container.annotations, own_keys)):
-        kept: dict[str, str] = {}
-        for part in _slices(entries, LARGE_SLICE):
-            kept.update((a.key, a.value) for a in part if a.key.startswith(keys))
-            yield
-        annotations.append(kept)
-    device_paths: set[str] = set()
-    for part in _slices(container.linux.devices, LARGE_SLICE):
-        device_paths.update(d.path for d in part)
-        yield
     destinations: set[str] = set()
-    for part in _slices(container.mounts, LARGE_SLICE):
-        destinations.update(m.destination for m in part)
+    linux: list[bytes] = []
+    for run in runs(container.data):
+        part = views.LargeContainer.FromString(run)
+        _present(part, ("id", "name"), fields)
+        annotations.update((a.key, a.value) for a in part.annotations
+                           if a.key.startswith(own_keys))
+        env += env_entries(part.env, env_scope)
+        destinations.update(map(attrgetter("destination"), part.mounts[:]))
+        linux += part.linux
         yield
-    return container_info(pod, container, tuple(env), pod_annotations=annotations[0],
-                          annotations=annotations[1], device_paths=frozenset(device_paths),
+    device_paths: set[str] = set()
+    for run in runs(b"".join(linux)):
+        devices = views.LinuxContainer.FromString(run).devices
+        device_paths.update(map(attrgetter("path"), devices[:]))
+        yield
+    return container_info(views.PodSandbox(**pod_fields), views.Container(**fields), tuple(env),
+                          pod_annotations=pod_annotations, annotations=annotations,
+                          device_paths=frozenset(device_paths),
                           mount_destinations=frozenset(destinations))
+
+
+def _present(part: Any, names: tuple[str, ...], into: dict[str, str]) -> None:
+    """Of the singular fields `names`, those the run `part` holds, into `into`."""
+    for name in names:
+        if part.HasField(name):
+            into[name] = getattr(part, name)
 
 
 def read_container_info(pod: Pod, container: Container, env_scope: tuple[str, ...],
                         pod_keys: tuple[str, ...], own_keys: tuple[str, ...]) -> ContainerInfo:
-    """container_info() of a container (not in the large view) with what its caller
+    """container_info() of a container (not one given as its encoding) with what its caller
     reads, as large_container_info() keeps it: the env as container_env() gives it,
     the pod's annotations whose key starts with one of `pod_keys` and the container's
     with one of `own_keys`. The keys are filtered in C and a value is read only for a
@@ -210,11 +258,6 @@ def _starting(annotations: Mapping[str, str], prefixes: tuple[str, ...]) -> dict
                                               annotations)}
 
 
-def _slices(entries: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(entries), size):
-        yield entries[start:start + size]
-
-
 def container_info(pod: Pod, container: Container, env: tuple[str, ...] | None = None, *,
                    pod_annotations: Mapping[str, str] | None = None,
                    annotations: Mapping[str, str] | None = None,
@@ -224,10 +267,11 @@ def container_info(pod: Pod, container: Container, env: tuple[str, ...] | None =
     env as container_env() gives it (by default the whole env), and the rest as given
     (by default read from the messages; of a large view, large_container_info() reads
     them; a glance declares no device paths or mounts, and a container that asks for
-    nothing gets no edits that they would be checked against)."""
-    if pod_annotations is None:
-        pod_annotations = pod.annotations
-    own = container.annotations if annotations is None else annotations
+    nothing gets no edits that they would be checked against). Annotations given are
+    the caller's to give up: the ContainerInfo shows them read-only, uncopied (a large
+    request's may be 100,000, which the request parser then refuses)."""
+    pod_annotations = dict(pod.annotations) if pod_annotations is None else pod_annotations
+    own = dict(container.annotations) if annotations is None else annotations
     if is_glance(container):
         device_paths = mount_destinations = frozenset()
     # (a repeated field sliced, as in container_env(); read by attrgetter, in C)
@@ -241,8 +285,8 @@ def container_info(pod: Pod, container: Container, env: tuple[str, ...] | None =
         pod_uid=pod.uid,
         container_name=name_of(container.name, own),
         container_id=container.id,
-        pod_annotations=MappingProxyType(dict(pod_annotations)),
-        container_annotations=MappingProxyType(dict(own)),
+        pod_annotations=MappingProxyType(pod_annotations),
+        container_annotations=MappingProxyType(own),
         env=tuple(container.env) if env is None else env,
         device_paths=device_paths,
         mount_destinations=mount_destinations,
@@ -406,8 +450,8 @@ def synced(pods: Iterable[Any], containers: Iterable[Any],
 
     A generator of steps, as large_container_info(): the caller gives the event loop a
     turn between steps and gets the pods and containers as its value. A step ends after
-    each LARGE_SLICE annotations of a bare pod or container over SYNC_MAP_BYTES that is
-    read entry by entry (100,000 of them: 30-50 ms); the rest takes one step."""
+    each run of fields (nri.fields.runs) of a bare pod or container over SYNC_MAP_BYTES
+    whose annotations are read (100,000 of them: 30-50 ms); the rest takes one step."""
     keys = tuple(keys)
     intern = sys.intern  # a pod's id and namespace recur in each of its containers
     needles, nameless = _needles_of(keys), _needles_of((*keys, CRIO_METADATA))
@@ -455,17 +499,17 @@ def _kept_bare(item: Any, keys: tuple[str, ...], needles: tuple[bytes, ...],
     """Of a bare pod's or container's annotations, `keys`: none where no needle appears
     in its bytes (its own fields and the undecoded annotations, serialised again in C);
     else its annotations decoded, as a map (`entries`, the view with them as a map) up
-    to SYNC_MAP_BYTES, beyond that as entries (`large`), read LARGE_SLICE a step as
-    protobuf reads them into a map: the last entry of a key wins, and an entry holding
-    a field other than key and value is set aside (see api/nri_views.proto)."""
+    to SYNC_MAP_BYTES, beyond that as entries (`large`), a run of fields a step, read
+    as protobuf reads them into a map: the last entry of a key wins, and an entry
+    holding a field other than key and value is set aside (see api/nri_views.proto)."""
     raw = item.SerializeToString()
     if not any(n in raw for n in needles):
         return _NO_ANNOTATIONS
     if len(raw) <= SYNC_MAP_BYTES:
         return _wanted(entries.FromString(raw).annotations, keys)
     wanted, found = frozenset(keys), {}
-    for part in _slices(large.FromString(raw).annotations, LARGE_SLICE):
-        found.update((a.key, a.value) for a in part
+    for run in runs(raw):
+        found.update((a.key, a.value) for a in large.FromString(run).annotations
                      if a.key in wanted and not UnknownFieldSet(a))
         yield
     return _wanted(found, keys)

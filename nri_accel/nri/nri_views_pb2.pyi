@@ -182,14 +182,6 @@ class LinuxDevice(_message.Message):
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
-class LargeCreateContainerRequest(_message.Message):
-    __slots__ = ("pod", "container")
-    POD_FIELD_NUMBER: _ClassVar[int]
-    CONTAINER_FIELD_NUMBER: _ClassVar[int]
-    pod: LargePodSandbox
-    container: LargeContainer
-    def __init__(self, pod: _Optional[_Union[LargePodSandbox, _Mapping]] = ..., container: _Optional[_Union[LargeContainer, _Mapping]] = ...) -> None: ...
-
 class LargePodSandbox(_message.Message):
     __slots__ = ("id", "name", "uid", "namespace", "annotations")
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -217,8 +209,8 @@ class LargeContainer(_message.Message):
     annotations: _containers.RepeatedCompositeFieldContainer[Annotation]
     env: _containers.RepeatedScalarFieldContainer[str]
     mounts: _containers.RepeatedCompositeFieldContainer[Mount]
-    linux: LinuxContainer
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., annotations: _Optional[_Iterable[_Union[Annotation, _Mapping]]] = ..., env: _Optional[_Iterable[str]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., linux: _Optional[_Union[LinuxContainer, _Mapping]] = ...) -> None: ...
+    linux: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., annotations: _Optional[_Iterable[_Union[Annotation, _Mapping]]] = ..., env: _Optional[_Iterable[str]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., linux: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Annotation(_message.Message):
     __slots__ = ("key", "value")

@@ -661,8 +661,13 @@ def _parse(message_type: Any, payload: bytes,
     try:
         return (decode or message_type.FromString)(payload)
     except DecodeError as exc:
-        raise TtrpcError(Code.INVALID_ARGUMENT,
-                         f"malformed {message_type.DESCRIPTOR.name}: {exc}") from exc
+        raise malformed(message_type.DESCRIPTOR.name, exc) from exc
+
+
+def malformed(message: str, exc: DecodeError) -> TtrpcError:
+    """The answer to a request (`message`: its message's name) whose bytes do not decode,
+    the caller's error: also that of a plugin that decodes part of a request itself."""
+    return TtrpcError(Code.INVALID_ARGUMENT, f"malformed {message}: {exc}")
 
 
 def backoff_delays(first: float = BACKOFF_MIN, cap: float = BACKOFF_MAX) -> Iterator[float]:

@@ -12,14 +12,15 @@ Properties:
 - bytes protobuf cannot decode raise DecodeError only (the stub answers those with
   INVALID_ARGUMENT); container_info never raises;
 - the request is decoded as the daemon decodes it, as its view (api/nri_views.proto);
-  where the whole message decodes too, it reads as the same container; the large view
-  (annotations as their map entries, for requests over convert.LARGE_REQUEST bytes)
-  decodes exactly the bytes the view decodes, to the same annotations but for an entry
-  holding an unknown field (protobuf's Python decoding of a map sets such an entry
-  aside among the message's unknown fields; Go's, the runtime's, keeps its key and
-  value, and so does the large view); where there is none, what the daemon reads of
-  the large view a slice at a time (convert.large_container_info) plans as the view
-  does: the same answer, or the same refusal;
+  where the whole message decodes too, it reads as the same container; the large path
+  (for requests over convert.LARGE_REQUEST bytes: the pod and container left encoded,
+  then decoded a run of fields at a time as the large views, annotations as their map
+  entries, by convert.large_container_info; the runs cut by nri.fields.runs) decodes
+  exactly the bytes the view decodes, to the same annotations but for an entry holding
+  an unknown field (protobuf's Python decoding of a map sets such an entry aside among
+  the message's unknown fields; Go's, the runtime's, keeps its key and value, and so
+  do the large views); where there is none, it plans as the view does: the same
+  answer, or the same refusal; the same with runs of 1 and 3 fields;
 - planning and building the answer raise only NriAccelError subclasses (never
   InternalError, the wrapper of a bug), with a `source` their text starts with;
 - a refused request changes no Engine state: the holdings and their version are as
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+from unittest.mock import patch
 
 from demo_node import demo_inventory
 from fuzz_inputs import annotations, env, mixed_inventory, namespace
@@ -43,16 +45,19 @@ from nri_accel.config import Config, PolicyConfig
 from nri_accel.container import ContainerInfo
 from nri_accel.engine import ENV_SCOPE, Engine
 from nri_accel.errors import InternalError, NriAccelError
+from nri_accel.nri import fields
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri import nri_views_pb2 as views
 from nri_accel.nri.adjust import build_adjustment
 from nri_accel.nri.convert import (
     REQUEST_DECODERS,
     container_info,
+    decode_large,
     is_glance,
     large_container_info,
     read_container_info,
 )
+from nri_accel.nri.fields import RUN_FIELDS
 from nri_accel.plugin import CONTAINER_KEYS, AccelPlugin
 from nri_accel.request import ANNOTATION_PREFIXES
 
@@ -128,24 +133,24 @@ def create(eng: Engine, data: bytes) -> None:
         req = REQUEST_DECODERS["CreateContainer"](data)
     except DecodeError:
         req = None
-    try:
-        large = views.LargeCreateContainerRequest.FromString(data)
-    except DecodeError:
-        large = None
-    assert (req is None) == (large is None)
-    if req is None or large is None:
+    large = {most: read_large(data, most) for most in (RUN_FIELDS, 1, 3)}
+    assert {most: read is None for most, read in large.items()} == dict.fromkeys(
+        large, req is None)
+    if req is None:
         return
+    whole = decode_large(data)
     set_aside = False  # an entry holding an unknown field
-    for mine, entries in ((req.pod, large.pod), (req.container, large.container)):
-        unknown = [len(UnknownFieldSet(a)) > 0 for a in entries.annotations]
-        assert {a.key: a.value for a, odd in zip(entries.annotations, unknown, strict=True)
+    for mine, part, view in ((req.pod, whole.pod, views.LargePodSandbox),
+                             (req.container, whole.container, views.LargeContainer)):
+        entries = view.FromString(part.data).annotations
+        unknown = [len(UnknownFieldSet(a)) > 0 for a in entries]
+        assert {a.key: a.value for a, odd in zip(entries, unknown, strict=True)
                 if not odd} == dict(mine.annotations)
         set_aside |= any(unknown)
     info = container_info(req.pod, req.container)
-    steps = large_container_info(large.pod, large.container, ENV_SCOPE, ANNOTATION_PREFIXES,
-                                 CONTAINER_KEYS)
     if not set_aside:
-        assert planned(eng, finished(steps)) == planned(eng, info)
+        for read in large.values():
+            assert planned(eng, read) == planned(eng, info)
     served = SERVED(data)
     if is_glance(served.container):  # it asks nothing: the whole path answers nothing
         answer = planned(eng, info)
@@ -169,6 +174,19 @@ def create(eng: Engine, data: bytes) -> None:
         assert not isinstance(err, InternalError)
         assert err.source and str(err).startswith(err.source + ": ")
         assert (eng.holdings.grants(), eng.holdings.version) == before
+
+
+def read_large(data: bytes, most: int) -> ContainerInfo | None:
+    """What the daemon reads of `data` over convert.LARGE_REQUEST bytes (decode_large,
+    then large_container_info's steps, runs of `most` fields); None where it refuses
+    the bytes (DecodeError, at any step)."""
+    with patch.object(fields, "RUN_FIELDS", most):
+        try:
+            large = decode_large(data)
+            return finished(large_container_info(large.pod, large.container, ENV_SCOPE,
+                                                 ANNOTATION_PREFIXES, CONTAINER_KEYS))
+        except DecodeError:
+            return None
 
 
 def planned(eng: Engine, info: ContainerInfo) -> tuple[Any, ...]:

@@ -7,7 +7,7 @@ full path: a visibility variable in the env (rewritten to "void" where env may n
 grant), the annotations nri-accel refuses, and a container whose creation replaces a
 grant. Large envs (over convert.LARGE_ENV entries, searched as one string) behave as
 small ones; so do requests over convert.LARGE_REQUEST bytes (huge envs or annotations,
-decoded as the large view and read convert.LARGE_SLICE entries at a time, with the
+their pod and container decoded a run of fields.RUN_FIELDS fields at a time, with the
 event loop free in between). The inventory is the built-in demo node (8 A100s,
 tests/demo_node.py).
 """
@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 from demo_node import demo_inventory
+from google.protobuf.empty_pb2 import Empty
+from google.protobuf.unknown_fields import UnknownFieldSet
 from msgspec.structs import replace
 from steps import finished
 from structlog.testing import capture_logs
@@ -32,6 +34,7 @@ from nri_accel.engine import Engine
 from nri_accel.errors import PolicyError, RequestError
 from nri_accel.nri import convert
 from nri_accel.nri import nri_pb2 as pb
+from nri_accel.nri.fields import RUN_FIELDS
 from nri_accel.nri.simulator import make_container, make_pod
 from nri_accel.nri.stub import _created
 from nri_accel.plugin import AccelPlugin
@@ -44,7 +47,7 @@ UNRELATED_POD = {"kubernetes.io/config.seen": "2024-05-01T10:00:00Z",
 UNRELATED_ENV = ["PATH=/bin", "HOSTNAME=vm", "NVIDIA=1", "NVIDIA_VISIBLE_DEVICES",
                  "MY_NVIDIA_VISIBLE_DEVICES=all", "LD_LIBRARY_PATH=/opt/lib"]
 BIG = convert.LARGE_ENV + 100  # entries: the large-env path
-SLICE = convert.LARGE_SLICE  # annotations, mounts or devices or env entries read in one step
+SLICE = RUN_FIELDS  # fields of a large request's pod or container read in one step
 
 
 def plugin(*trusted: str) -> AccelPlugin:
@@ -111,10 +114,13 @@ def test_nvidia_visible_devices_all_in_an_untrusted_namespace_is_still_rewritten
 
 
 def served_large(accel: AccelPlugin, pod: Any, ctr: Any) -> tuple[Any, int]:
-    """A create over convert.LARGE_REQUEST bytes as the daemon serves it (decoded as the
-    large view, answered by a coroutine): the answer, and how often the loop turned."""
+    """A create over convert.LARGE_REQUEST bytes as the daemon serves it (its pod and
+    container left encoded, answered by a coroutine): the answer, and how often the loop
+    turned."""
     req = served(accel, pod, ctr)
     assert convert.is_large(req.container)
+    assert pb.PodSandbox.FromString(req.pod.data) == pod
+    assert pb.Container.FromString(req.container.data) == ctr
     turns = 0
 
     async def main() -> Any:
@@ -128,6 +134,16 @@ def served_large(accel: AccelPlugin, pod: Any, ctr: Any) -> tuple[Any, int]:
     return asyncio.run(main()), turns
 
 
+def steps(pod: Any, ctr: Any) -> int:
+    """The loop turns served_large() sees for `pod` and `ctr`: two before their fields are
+    read, then one after each run of SLICE fields of the pod, of the container, and of
+    the container's linux part, whose fields protobuf counts (as the unknown fields of
+    an empty message)."""
+    runs = [-(-len(UnknownFieldSet(Empty.FromString(m.SerializeToString()))) // SLICE)
+            for m in (pod, ctr, ctr.linux)]
+    return 2 + sum(runs)
+
+
 def gpus(encoded: bytes | None) -> list[str]:
     adjustment = pb.ContainerAdjustment.FromString(encoded or b"")
     return [d.path for d in adjustment.linux.devices if d.path[11:].isdigit()]
@@ -137,9 +153,9 @@ def test_a_huge_env_is_searched_in_parts_with_the_event_loop_free_between() -> N
     # 2.5 parts of filler, then a request in the last: found, the loop free in between
     env = [f"V{i}={i:032d}" for i in range(SLICE * 5 // 2)] + ["NVIDIA_VISIBLE_DEVICES=0"]
     pod = make_pod({"name": "p", "namespace": "ml"})
-    result, turns = served_large(plugin("ml"), pod, make_container(pod, {"name": "main",
-                                                                         "env": env}))
-    assert turns == 2 + 3  # twice before the env is read, then after each of its parts
+    ctr = make_container(pod, {"name": "main", "env": env})
+    result, turns = served_large(plugin("ml"), pod, ctr)
+    assert turns == steps(pod, ctr) == 2 + 1 + 3 + 0  # the env fills 3 runs, no linux part
     assert gpus(result) == ["/dev/nvidia0"]
 
 
@@ -152,7 +168,7 @@ def test_huge_annotations_are_read_in_parts_with_the_event_loop_free_between() -
     ctr = make_container(pod, {"name": "main", "env": [], "annotations": filler})
     accel = plugin("ml")
     result, turns = served_large(accel, pod, ctr)
-    assert turns == 2 + 21 + 20  # and after each 5,000 of the pod's and the container's
+    assert turns == steps(pod, ctr) >= 2 + 21 + 20  # the fields: 40,000 annotations and more
     assert gpus(result) == ["/dev/nvidia1"]
     # among them, what the parser refuses is still refused, naming its key
     ctr.annotations["nri-accel.io/granted"] = "nvidia.com/gpu=2"
@@ -172,7 +188,7 @@ def test_tens_of_thousands_of_mounts_and_devices_are_read_in_parts() -> None:
                                                      for i in range(SLICE * 2)]
                                          + [{"path": "/dev/nvidia0"}]}})
     result, turns = served_large(plugin("ml"), pod, ctr)
-    assert turns == 2 + 1 + 3 + 4  # the env's one part, the devices' 3, the mounts' 4
+    assert turns == steps(pod, ctr) == 2 + 1 + 4 + 3  # 6,002 mounts and more, 4,001 devices
     adjustment = pb.ContainerAdjustment.FromString(result)
     paths = {d.path for d in adjustment.linux.devices}
     assert "/dev/nvidiactl" in paths and "/dev/nvidia0" not in paths
@@ -351,9 +367,9 @@ def test_a_container_is_read_as_the_large_view_reads_it_keeping_the_keys_the_eng
     keys = (ANNOTATION_PREFIXES, (*ANNOTATION_PREFIXES, convert.CRIO_METADATA))
     view = convert.decode_create(payload)
     small = convert.read_container_info(view.pod, view.container, ENV_PREFIXES, *keys)
-    large = convert.views.LargeCreateContainerRequest.FromString(payload)
-    read = finished(convert.large_container_info(large.pod, large.container, ENV_PREFIXES,
-                                                 *keys))
+    read = finished(convert.large_container_info(convert.Encoded(pod.SerializeToString()),
+                                                 convert.Encoded(ctr.SerializeToString()),
+                                                 ENV_PREFIXES, *keys))
     # of the env, only the entries in scope; a small env is whole
     assert read.env == convert.env_entries(small.env, ENV_PREFIXES) == (
         "NVIDIA_VISIBLE_DEVICES=1",)

@@ -15,6 +15,7 @@ from steps import counted, finished
 from nri_accel.nri import convert
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri import nri_views_pb2 as views
+from nri_accel.nri.fields import RUN_FIELDS
 
 GRANTED, SHARED = "nri-accel.io/granted", "nri-accel.io/shared"
 KEYS = (GRANTED, SHARED)
@@ -121,7 +122,7 @@ def test_a_part_over_sync_map_bytes_is_decoded_bare() -> None:
 
 def test_a_container_with_huge_annotations_comes_bare_and_keeps_its_grant() -> None:
     # 200,000 annotations: decoded as a map, 300-500 ms in one call; read entry by
-    # entry, 60-100 ms: LARGE_SLICE a step, the event loop free between steps
+    # entry, 60-100 ms: a run of RUN_FIELDS fields a step, the loop free between steps
     ctr = pb.Container(id="c", pod_sandbox_id="p", state=pb.CONTAINER_RUNNING,
                        annotations={f"k{i}": "v" for i in range(200_000)})
     ctr.annotations[GRANTED] = "nvidia.com/gpu=0"
@@ -135,7 +136,8 @@ def test_a_container_with_huge_annotations_comes_bare_and_keeps_its_grant() -> N
     assert kept == [convert.SyncedContainer("c", "p", "from-crio", pb.CONTAINER_RUNNING,
                                             {GRANTED: "nvidia.com/gpu=0"})]
     # `other` holds no key synced() reads: its annotations are not decoded, no step
-    assert steps == -(-len(ctr.annotations) // convert.LARGE_SLICE) == 101
+    fields = len(ctr.annotations) + 3  # and its id, pod_sandbox_id and state
+    assert steps == -(-fields // RUN_FIELDS) == 201
 
 
 def test_an_entry_with_an_unknown_field_is_set_aside_as_the_map_does() -> None:

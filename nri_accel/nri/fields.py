@@ -1,0 +1,130 @@
+"""A protobuf message's encoding cut into runs of whole fields, for a reader that decodes
+a huge message a run at a time with the event loop free in between, where protobuf
+would decode it in one C call that keeps the GIL: a CreateContainer of 4 MiB of
+one-byte env entries is 1.3 million fields, 47 ms in one call (protobuf builds each
+element at 30-40 ns), and 1,000 of them 0.05 ms.
+
+An encoding is its fields one after the other, and decoding two runs of them in turn
+reads as decoding the whole: a repeated field's elements append, a singular field's
+later occurrence wins, a message field's occurrences merge (protobuf's rule, which
+lets a message be built by concatenating encodings). A reader that takes the runs in
+order and keeps to the same rules reads what one decode would.
+
+The cut reads each field's tag and length (varint tags; wire types 0 varint, 1
+fixed64, 2 length-delimited, 5 fixed32, 3 and 4 the start and end of a group) in
+Python, some 0.2 us a field: what a step bounded whatever the message costs. Bytes
+that are not whole fields raise protobuf's DecodeError, as decoding them would (a
+field number 0, or a string that is not UTF-8, is left to protobuf's decoding of the
+run).
+
+Imports the standard library and protobuf only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from google.protobuf.message import DecodeError
+
+RUN_FIELDS = 1_000
+"""Fields in a run: 0.2-0.25 ms to cut, 0.05 ms for protobuf to decode, and at most as
+many elements for the reader (1-2 us each where it keeps them: an annotation's key
+and value read and stored)."""
+
+MAX_GROUP_DEPTH = 100
+"""Groups nested deeper are refused, as protobuf's decoder refuses them (its recursion
+limit, 100)."""
+
+_LENGTH_DELIMITED = 2
+_START_GROUP = 3
+_END_GROUP = 4
+_FIXED_SIZE = {1: 8, 5: 4}
+
+
+Encoding = bytes | memoryview
+"""A message's encoding: bytes, or a view of some (no copy of a 4 MiB request)."""
+
+
+def values(data: Encoding, numbers: frozenset[int]) -> dict[int, list[memoryview]]:
+    """Of the message `data`, the value of each occurrence of the length-delimited fields
+    `numbers` (a message field's encoding), as views of `data`, by field number; the
+    other fields skipped (one of `numbers` of another wire type too, as protobuf skips
+    it). Raises DecodeError as runs() does."""
+    view = memoryview(data)
+    found: dict[int, list[memoryview]] = {number: [] for number in numbers}
+    pos, end = 0, len(data)
+    while pos < end:
+        tag, after = _varint(data, pos, end)
+        if tag & 7 == _LENGTH_DELIMITED and tag >> 3 in found:
+            length, start = _varint(data, after, end)
+            pos = start + length
+            found[tag >> 3].append(view[start:pos])
+        else:
+            pos = _skip(data, pos, end, 0)
+    if pos > end:
+        raise DecodeError(f"a field runs {pos - end} bytes past the end of its message")
+    return found
+
+
+def runs(data: Encoding) -> Iterator[Encoding]:
+    """`data`, a message's encoding, as runs of at most RUN_FIELDS whole fields, in
+    order (views of it, where it is a view); nothing for an empty message. Raises
+    DecodeError where a field is cut short or its tag is not one protobuf reads."""
+    pos, start, end, count, most = 0, 0, len(data), 0, RUN_FIELDS
+    while pos < end:
+        tag = data[pos]
+        # the common field, inline: a one-byte tag of a length-delimited field shorter
+        # than 128 bytes (an env entry, an annotation, a mount)
+        if tag & 0x87 == _LENGTH_DELIMITED and pos + 1 < end and data[pos + 1] < 0x80:
+            pos += 2 + data[pos + 1]
+        else:
+            pos = _skip(data, pos, end, 0)
+        count += 1
+        if count == most:
+            if pos > end:
+                break
+            yield data[start:pos]
+            start, count = pos, 0
+    if pos > end:
+        raise DecodeError(f"a field runs {pos - end} bytes past the end of its message")
+    if start < end:
+        yield data[start:end]
+
+
+def _skip(data: Encoding, pos: int, end: int, depth: int) -> int:
+    """Where the field at `pos` ends (it may be past `end`: the caller says so)."""
+    tag, pos = _varint(data, pos, end)
+    number, wire_type = tag >> 3, tag & 7
+    if number == 0 or tag > 0xFFFFFFFF:
+        raise DecodeError(f"invalid field tag {tag}")
+    if wire_type == 0:
+        return _varint(data, pos, end)[1]
+    if wire_type == _LENGTH_DELIMITED:
+        length, pos = _varint(data, pos, end)
+        return pos + length
+    if wire_type in _FIXED_SIZE:
+        return pos + _FIXED_SIZE[wire_type]
+    if wire_type == _START_GROUP:
+        if depth >= MAX_GROUP_DEPTH:
+            raise DecodeError(f"groups nested more than {MAX_GROUP_DEPTH} deep")
+        closing = number << 3 | _END_GROUP
+        while True:
+            if pos >= end:
+                raise DecodeError(f"group {number} has no end")
+            inner, after = _varint(data, pos, end)
+            if inner == closing:
+                return after
+            pos = _skip(data, pos, end, depth + 1)
+    raise DecodeError(f"field {number}: wire type {wire_type} where a field starts")
+
+
+def _varint(data: Encoding, pos: int, end: int) -> tuple[int, int]:
+    """The varint at `pos` and where it ends (at most 10 bytes, as protobuf reads)."""
+    value = shift = 0
+    for at in range(pos, min(pos + 10, end)):
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at + 1
+        shift += 7
+    raise DecodeError("a varint is cut short" if end < pos + 10 else "a varint over 10 bytes")
