@@ -3,6 +3,9 @@
 Modules, bottom up (each says what it owns and imports):
 - nri_pb2: generated from api/nri.proto (wire-compatible with NRI v0.12.0); imported
   only by modules of this package;
+- nri_views_pb2: generated from api/nri_views.proto, what is read of each request;
+- fields: a message's encoding cut into runs of whole fields, decoded one at a time
+  (a large request, the event loop free in between);
 - mux: the connection multiplexer (two logical connections over one socket);
 - stub: the plugin stub (registration, Configure, Synchronize, events, reconnect,
   pre-registered launch) that drives a plugin object's optional handlers;
