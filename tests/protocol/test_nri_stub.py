@@ -496,16 +496,38 @@ async def test_a_split_synchronisation_hands_over_what_keep_synchronized_kept_of
     assert plugin.got == (list(sim.pods), list(sim.containers))
 
 
+class _Turns:
+    """The event loop's turns while entered, counted by a task that yields each turn."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> _Turns:
+        async def count() -> None:
+            while True:
+                self.count += 1
+                await asyncio.sleep(0)
+
+        self._task = asyncio.get_running_loop().create_task(count())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+async def _synchronize_big_state(plugin: Any, sock_path: str, containers: int) -> None:
+    """`plugin` registered with a runtime holding _big_state(containers), until synced."""
+    async with serving(plugin, sock_path) as (sim, _):
+        _big_state(sim, containers)
+        await sim.wait_for_plugin()
+
+
 async def test_keep_synchronized_takes_a_slice_at_a_time_and_the_loop_turns_between(
     sock_path: str,
 ) -> None:
-    turns = 0
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
+    turns = _Turns()
 
     class Slices(Injector):
         """Notes each keep_synchronized() call: its size and the loop turns so far."""
@@ -515,17 +537,12 @@ async def test_keep_synchronized_takes_a_slice_at_a_time_and_the_loop_turns_betw
             self.calls: list[tuple[int, int]] = []
 
         def keep_synchronized(self, pods: Any, containers: Any) -> tuple[list[Any], list[Any]]:
-            self.calls.append((len(pods) + len(containers), turns))
+            self.calls.append((len(pods) + len(containers), turns.count))
             return [p.id for p in pods], [c.id for c in containers]
 
     plugin = Slices()
-    counter = asyncio.get_running_loop().create_task(count_turns())
-    try:
-        async with serving(plugin, sock_path) as (sim, _):
-            _big_state(sim, 1500)
-            await sim.wait_for_plugin()
-    finally:
-        counter.cancel()
+    async with turns:
+        await _synchronize_big_state(plugin, sock_path, 1500)
     sizes = [size for size, _ in plugin.calls]
     assert sum(sizes) == 1501 and max(sizes) == SYNC_SLICE
     seen = [at for _, at in plugin.calls]
@@ -536,13 +553,7 @@ async def test_keep_synchronized_takes_a_slice_at_a_time_and_the_loop_turns_betw
 async def test_a_keep_synchronized_of_steps_is_run_a_step_per_loop_turn(
     sock_path: str,
 ) -> None:
-    turns = 0
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
+    turns = _Turns()
 
     class Steps(Injector):
         """keep_synchronized() as a generator of three steps (as nri.convert.synced()
@@ -555,18 +566,13 @@ async def test_a_keep_synchronized_of_steps_is_run_a_step_per_loop_turn(
         def keep_synchronized(self, pods: Any, containers: Any,
                               ) -> Generator[None, None, tuple[list[Any], list[Any]]]:
             for _ in range(3):
-                self.steps.append(turns)
+                self.steps.append(turns.count)
                 yield
             return [p.id for p in pods], [c.id for c in containers]
 
     plugin = Steps()
-    counter = asyncio.get_running_loop().create_task(count_turns())
-    try:
-        async with serving(plugin, sock_path) as (sim, _):
-            _big_state(sim, 600)
-            await sim.wait_for_plugin()
-    finally:
-        counter.cancel()
+    async with turns:
+        await _synchronize_big_state(plugin, sock_path, 600)
     slices = 1 + -(-600 // SYNC_SLICE)  # the pod, then the containers SYNC_SLICE at a time
     assert len(plugin.steps) == 3 * slices
     assert all(a < b for a, b in itertools.pairwise(plugin.steps))  # the loop ran between
