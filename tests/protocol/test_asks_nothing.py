@@ -36,9 +36,10 @@ from nri_accel.nri import convert
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.fields import RUN_FIELDS
 from nri_accel.nri.simulator import make_container, make_pod
-from nri_accel.nri.stub import _created
+from nri_accel.nri.stub import Identity, Stub, _created, length_delimited
 from nri_accel.plugin import AccelPlugin
 from nri_accel.request import ANNOTATION_PREFIXES, ENV_PREFIXES, Parsed, parse
+from nri_accel.ttrpc import Code, TtrpcError
 
 pytestmark = pytest.mark.usefixtures("all_logs")  # tests/conftest.py: debug lines too
 
@@ -196,6 +197,30 @@ def test_tens_of_thousands_of_mounts_and_devices_are_read_in_parts() -> None:
     alone, _ = create(plugin("ml"), namespace="ml", env=["NVIDIA_VISIBLE_DEVICES=0"])
     assert "/usr/bin/nvidia-smi" in {m.destination for m in alone.mounts}
     assert "/dev/nvidia0" in {d.path for d in alone.linux.devices}
+
+
+@pytest.mark.parametrize("tail, error", [
+    (b"\x42\x05AB", "a field runs 3 bytes past the end of its message"),  # an entry cut short
+    (b"\x42\x02\xff\xfe", "Error parsing message"),  # an env entry that is not UTF-8
+])
+def test_a_huge_create_whose_container_does_not_decode_is_refused_as_malformed(
+        tail: bytes, error: str) -> None:
+    # the pod and container are decoded a run at a time, after the stub has handed them
+    # over: damage in the last run is refused as the stub refuses a request it cannot
+    # decode, INVALID_ARGUMENT naming the message, not as a handler's failure
+    pod = make_pod({"name": "p", "namespace": "ml"})
+    env = [f"V{i:06d}=xxxxxxxx" for i in range(8 * SLICE)]
+    ctr = make_container(pod, {"name": "main", "env": env})
+    payload = (length_delimited(1, pod.SerializeToString())
+               + length_delimited(2, ctr.SerializeToString() + tail))
+    assert len(payload) > convert.LARGE_REQUEST
+    stub = Stub(plugin("ml"), Identity("nri-accel", "40"), socket_path="/nonexistent")
+    with capture_logs() as logs, pytest.raises(TtrpcError) as raised:
+        asyncio.run(stub._create_container(None, payload))
+    assert raised.value.code == Code.INVALID_ARGUMENT
+    assert str(raised.value.message).startswith("malformed CreateContainerRequest: ")
+    assert error in raised.value.message
+    assert not [line for line in logs if line["log_level"] == "error"]
 
 
 def test_a_huge_create_that_asks_nothing_is_answered_empty() -> None:
