@@ -4,6 +4,7 @@ view gives, on any pods and containers, and on damaged bytes the map view accept
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -12,10 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from steps import counted, finished
 
-from nri_accel.nri import convert
+from nri_accel.nri import convert, fields
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri import nri_views_pb2 as views
 from nri_accel.nri.fields import RUN_FIELDS
+from nri_accel.nri.stub import Identity, Stub
+from nri_accel.ttrpc import Code, TtrpcError
 
 GRANTED, SHARED = "nri-accel.io/granted", "nri-accel.io/shared"
 KEYS = (GRANTED, SHARED)
@@ -97,6 +100,62 @@ def test_the_bare_view_reads_as_the_map_view(monkeypatch: pytest.MonkeyPatch, pa
     # entries (over SYNC_MAP_BYTES = 0), or as a map (up to 1 MiB)
     for map_bytes in (0, 1 << 20):
         assert _bounded(data_bytes, ids, monkeypatch, map_bytes) == expected
+
+
+class _Keeper:
+    """A plugin keeping of a Synchronize what nri.convert.synced() keeps (the daemon's
+    keep_synchronized), recording what synchronize() gets."""
+
+    request_decoders = {"Synchronize": convert.decode_synchronize}
+
+    def __init__(self) -> None:
+        self.got: list[Any] = []
+
+    def keep_synchronized(self, pods: Any, containers: Any) -> Any:
+        return convert.synced(pods, containers, KEYS)
+
+    def synchronize(self, pods: list[Any], containers: list[Any]) -> None:
+        self.got.append((pods, containers))
+
+    def create_container(self, pod: Any, container: Any) -> None:
+        return None  # a plugin subscribes to one event at least
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=_parts(), most=st.integers(1, 3), size=st.sampled_from([1, 64, 1 << 20]),
+       damage=st.none() | st.tuples(st.integers(0, 10_000), st.integers(0, 255)))
+def test_a_part_taken_a_run_of_fields_at_a_time_reads_as_the_whole(
+        monkeypatch: pytest.MonkeyPatch, payload: bytes, most: int, size: int,
+        damage: Any) -> None:
+    """The stub decodes a part a run of fields at a time (nri.fields.runs), the loop free
+    in between: the pods and containers kept, and whether more parts follow, are those
+    of the whole part; a part the whole decoding refuses is refused, INVALID_ARGUMENT."""
+    data = bytearray(payload)
+    if damage is not None and data:
+        data[damage[0] % len(data)] = damage[1]
+    part = bytes(data)
+    try:
+        whole = convert.decode_synchronize(part)
+    except DecodeError:
+        whole = None
+    plugin = _Keeper()
+    stub = Stub(plugin, Identity("keeper", "50"), socket_path="/nonexistent")
+    with monkeypatch.context() as m:
+        m.setattr(fields, "RUN_FIELDS", most)
+        m.setattr(fields, "RUN_BYTES", size)
+        try:
+            answer = asyncio.run(stub._synchronize(None, part))
+        except TtrpcError as err:
+            assert err.code == Code.INVALID_ARGUMENT
+            assert err.message.startswith("malformed SynchronizeRequest: ")
+            assert whole is None
+            return
+    assert whole is not None
+    more = pb.SynchronizeResponse.FromString(answer).more
+    assert more == whole.more
+    assert plugin.got == ([] if more else [finished(convert.synced(
+        whole.pods, whole.containers, KEYS))])
 
 
 def test_a_part_over_sync_map_bytes_is_decoded_bare() -> None:

@@ -16,7 +16,7 @@ import structlog.testing
 
 from nri_accel.errors import ConfigError, PolicyError, RequestError
 from nri_accel.inventory import ContainerEdits, DeviceNode
-from nri_accel.nri import adjust
+from nri_accel.nri import adjust, fields
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri import stub as stub_module
 from nri_accel.nri.simulator import (
@@ -26,6 +26,7 @@ from nri_accel.nri.simulator import (
     SimulatorError,
     make_container,
     make_pod,
+    sync_fields,
 )
 from nri_accel.nri.stub import (
     BACKOFF_MAX,
@@ -422,12 +423,13 @@ async def test_two_plugins_adding_one_device_fail_the_container_with_the_runtime
         'plugins "20-second" and "10-first" both tried to set Devices /dev/accel0')
 
 
-def _big_state(sim: Simulator, containers: int) -> None:
-    """One pod and `containers` running containers of ~4 KiB each, as CRI's are."""
+def _big_state(sim: Simulator, containers: int, env: int = 40) -> None:
+    """One pod and `containers` running containers of ~4 KiB each (`env` entries of
+    ~100 bytes), as CRI's are."""
     pod = make_pod({"name": "sync", "annotations": {"filler": "x" * 1000}})
     sim.pods[pod.id] = pod
     template = make_container(pod, {"name": "c", "state": "CONTAINER_RUNNING",
-                                    "env": [f"VAR{j}=value-{j}-{'y' * 80}" for j in range(40)]})
+                                    "env": [f"VAR{j}=value-{j}-{'y' * 80}" for j in range(env)]})
     for i in range(containers):
         ctr = pb.Container()
         ctr.CopyFrom(template)
@@ -517,15 +519,19 @@ class _Turns:
         self._task.cancel()
 
 
-async def _synchronize_big_state(plugin: Any, sock_path: str, containers: int) -> None:
-    """`plugin` registered with a runtime holding _big_state(containers), until synced."""
+async def _synchronize_big_state(plugin: Any, sock_path: str, containers: int,
+                                 env: int = 40) -> int:
+    """`plugin` registered with a runtime holding _big_state(containers, env), until
+    synced; the bytes of a container's field in the Synchronize."""
     async with serving(plugin, sock_path) as (sim, _):
-        _big_state(sim, containers)
+        _big_state(sim, containers, env)
         await sim.wait_for_plugin()
+        return len(sync_fields((), list(sim.containers.values())[:1])[1][0])
 
 
+@pytest.mark.parametrize("env", [40, 0], ids=["4 KiB containers", "small containers"])
 async def test_keep_synchronized_takes_a_slice_at_a_time_and_the_loop_turns_between(
-    sock_path: str,
+    sock_path: str, env: int,
 ) -> None:
     turns = _Turns()
 
@@ -542,9 +548,13 @@ async def test_keep_synchronized_takes_a_slice_at_a_time_and_the_loop_turns_betw
 
     plugin = Slices()
     async with turns:
-        await _synchronize_big_state(plugin, sock_path, 1500)
+        field = await _synchronize_big_state(plugin, sock_path, 1500, env)
     sizes = [size for size, _ in plugin.calls]
-    assert sum(sizes) == 1501 and max(sizes) == SYNC_SLICE
+    # a part is decoded a run of fields at a time (the field reaching RUN_BYTES ends
+    # one), and a run's containers are handed over SYNC_SLICE at a time
+    per_run = min(-(-fields.RUN_BYTES // field), fields.RUN_FIELDS)
+    assert sum(sizes) == 1501 and max(sizes) == min(SYNC_SLICE, per_run)
+    assert max(sizes) == (66 if env else SYNC_SLICE)
     seen = [at for _, at in plugin.calls]
     assert all(a < b for a, b in itertools.pairwise(seen))  # the loop ran between any two
     assert plugin.synced == [(1, 1500)]
@@ -572,7 +582,7 @@ async def test_a_keep_synchronized_of_steps_is_run_a_step_per_loop_turn(
 
     plugin = Steps()
     async with turns:
-        await _synchronize_big_state(plugin, sock_path, 600)
+        await _synchronize_big_state(plugin, sock_path, 600, env=0)  # one run of fields
     slices = 1 + -(-600 // SYNC_SLICE)  # the pod, then the containers SYNC_SLICE at a time
     assert len(plugin.steps) == 3 * slices
     assert all(a < b for a, b in itertools.pairwise(plugin.steps))  # the loop ran between
