@@ -78,11 +78,15 @@ def runs(data: Encoding) -> Iterator[Encoding]:
     short or its tag is not one protobuf reads."""
     pos, start, end, count, most, size = 0, 0, len(data), 0, RUN_FIELDS, RUN_BYTES
     while pos < end:
-        tag = data[pos]
-        # the common field, inline: a one-byte tag of a length-delimited field shorter
-        # than 128 bytes (an env entry, an annotation, a mount)
-        if tag & 0x87 == _LENGTH_DELIMITED and pos + 1 < end and data[pos + 1] < 0x80:
-            pos += 2 + data[pos + 1]
+        # the common field, inline: a one-byte tag of a length-delimited field (an env
+        # entry, an annotation, a mount, a container of a Synchronize)
+        if data[pos] & 0x87 == _LENGTH_DELIMITED and pos + 1 < end:
+            length = data[pos + 1]
+            if length < 0x80:
+                pos += 2 + length
+            else:
+                length, pos = _varint(data, pos + 1, end)
+                pos += length
         else:
             pos = _skip(data, pos, end, 0)
         count += 1
@@ -127,10 +131,12 @@ def _skip(data: Encoding, pos: int, end: int, depth: int) -> int:
 def _varint(data: Encoding, pos: int, end: int) -> tuple[int, int]:
     """The varint at `pos` and where it ends (at most 10 bytes, as protobuf reads)."""
     value = shift = 0
-    for at in range(pos, min(pos + 10, end)):
-        byte = data[at]
+    last = min(pos + 10, end)
+    while pos < last:
+        byte = data[pos]
+        pos += 1
         value |= (byte & 0x7F) << shift
         if byte < 0x80:
-            return value, at + 1
+            return value, pos
         shift += 7
-    raise DecodeError("a varint is cut short" if end < pos + 10 else "a varint over 10 bytes")
+    raise DecodeError("a varint is cut short" if last == end else "a varint over 10 bytes")
