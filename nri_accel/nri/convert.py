@@ -217,7 +217,7 @@ def large_container_info(pod: Encoded, container: Encoded, env_scope: tuple[str,
         _present(part, ("id", "name"), fields)
         annotations.update((a.key, a.value) for a in part.annotations
                            if a.key.startswith(own_keys))
-        env += env_entries(part.env, env_scope)
+        env += _searched(part.env, env_scope)  # a run's thousand: faster as one string
         destinations.update(map(attrgetter("destination"), part.mounts[:]))
         linux += part.linux
         yield
@@ -343,9 +343,15 @@ def mention_test(key_prefixes: tuple[str, ...], env_prefixes: tuple[str, ...],
 def env_entries(env: Sequence[str], prefixes: tuple[str, ...]) -> tuple[str, ...]:
     """The entries of `env` that start with one of `prefixes`, in order. A large env is
     searched as one string (see the module docstring)."""
-    starts = methodcaller("startswith", prefixes)
     if len(env) <= LARGE_ENV:
-        return tuple(filter(starts, env))
+        return tuple(filter(methodcaller("startswith", prefixes), env))
+    return _searched(env, prefixes)
+
+
+def _searched(env: Sequence[str], prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    """env_entries() of `env` searched as one string, whatever its size (see the module
+    docstring)."""
+    starts = methodcaller("startswith", prefixes)
     text = "\0".join(env[:])  # a slice: protobuf lists it faster than join would
     if text.count("\0") != len(env) - 1:  # an entry holds a NUL
         return tuple(filter(starts, env))
