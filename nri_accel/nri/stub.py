@@ -46,7 +46,9 @@ with a `request_decoders` attribute, {method: decode} ("CreateContainer",
 a message (raising protobuf's DecodeError): a view, one of nri_views_pb2's, which
 declares only the fields the plugin reads, and the handlers get its parts (the fields
 it leaves out are skipped undecoded: most of a container, 40 % of a typical create's
-decoding time and three quarters of a Synchronize's). nri.convert.REQUEST_DECODERS are
+decoding time and three quarters of a Synchronize's), or an object with the same
+attributes (nri.convert's large CreateContainer: its pod and container undecoded, for
+the handler to decode a run of fields at a time). nri.convert.REQUEST_DECODERS are
 such functions.
 
 The event mask sent in ConfigureResponse has a bit for each event handler the plugin
