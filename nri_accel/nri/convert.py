@@ -164,11 +164,14 @@ def decode_large(payload: bytes) -> LargeCreate:
     """A CreateContainer request's bytes as its pod's (field 1) and its container's
     (field 2) encodings, views of the bytes: a copy of 4 MiB takes some 2 ms, the
     first touch of each new page of memory. Raises protobuf's DecodeError."""
-    found = values(payload, frozenset((_POD, _CONTAINER)))
+    found = values(payload, frozenset((_POD, _CONTAINER)), _MOST_REQUEST_FIELDS)
     return LargeCreate(Encoded(_joined(found[_POD])), Encoded(_joined(found[_CONTAINER])))
 
 
 _POD, _CONTAINER = 1, 2  # CreateContainerRequest's field numbers
+_MOST_REQUEST_FIELDS = 64
+"""Fields a large CreateContainerRequest may have (its pod and container, and whatever a
+later NRI adds beside them: a few); its fields are walked in one step (64: 30 us)."""
 
 
 def _joined(occurrences: list[memoryview]) -> Encoding:

@@ -36,6 +36,11 @@ RUN_BYTES = 256 * 1024
 larger is a run of its own): 0.1-0.3 ms for protobuf to decode a run of a Synchronize
 part, whose containers are some 3 KB each."""
 
+MAX_GROUP_FIELDS = 1_000
+"""Fields a group may hold, nested ones included: a field is never cut, so a group is
+walked in one step (proto2's groups: no NRI message has one; protobuf skips it as an
+unknown field). One that holds more is refused."""
+
 MAX_GROUP_DEPTH = 100
 """Groups nested deeper are refused, as protobuf's decoder refuses them (its recursion
 limit, 100)."""
@@ -50,22 +55,29 @@ Encoding = bytes | memoryview
 """A message's encoding: bytes, or a view of some (no copy of a 4 MiB request)."""
 
 
-def values(data: Encoding, numbers: frozenset[int]) -> dict[int, list[memoryview]]:
+def values(data: Encoding, numbers: frozenset[int], most: int) -> dict[int, list[memoryview]]:
     """Of the message `data`, the value of each occurrence of the length-delimited fields
     `numbers` (a message field's encoding), as views of `data`, by field number; the
     other fields skipped (one of `numbers` of another wire type too, as protobuf skips
-    it). Raises DecodeError as runs() does."""
+    it). Its fields are walked in one go: a message of more than `most` is refused (a
+    bound on that walk; a request of 2 fields padded to 4 MiB holds 2 million).
+    Raises DecodeError as runs() does."""
     view = memoryview(data)
     found: dict[int, list[memoryview]] = {number: [] for number in numbers}
-    pos, end = 0, len(data)
+    pos, end, count = 0, len(data), 0
     while pos < end:
         tag, after = _varint(data, pos, end)
         if tag & 7 == _LENGTH_DELIMITED and tag >> 3 in found:
             length, start = _varint(data, after, end)
             pos = start + length
             found[tag >> 3].append(view[start:pos])
+            count += 1
         else:
-            pos = _skip(data, pos, end, 0)
+            pos, walked = _skip(data, pos, end, 0)
+            count += walked
+        if count > most:
+            raise DecodeError(f"more than {most} fields, where this message has "
+                              f"{len(numbers)} (not read)")
     if pos > end:
         raise DecodeError(f"a field runs {pos - end} bytes past the end of its message")
     return found
@@ -73,9 +85,11 @@ def values(data: Encoding, numbers: frozenset[int]) -> dict[int, list[memoryview
 
 def runs(data: Encoding) -> Iterator[Encoding]:
     """`data`, a message's encoding, as runs of whole fields, in order (views of it,
-    where it is a view): at most RUN_FIELDS fields, ended by the field that reaches
+    where it is a view): a run ends at RUN_FIELDS fields walked (a group's own
+    counted, which can take it past) or at the field that reaches
     RUN_BYTES; nothing for an empty message. Raises DecodeError where a field is cut
-    short or its tag is not one protobuf reads."""
+    short or its tag is not one protobuf reads, or a group holds more than
+    MAX_GROUP_FIELDS."""
     pos, start, end, count, most, size = 0, 0, len(data), 0, RUN_FIELDS, RUN_BYTES
     while pos < end:
         # the common field, inline: a one-byte tag of a length-delimited field (an env
@@ -87,10 +101,11 @@ def runs(data: Encoding) -> Iterator[Encoding]:
             else:
                 length, pos = _varint(data, pos + 1, end)
                 pos += length
+            count += 1
         else:
-            pos = _skip(data, pos, end, 0)
-        count += 1
-        if count == most or pos - start >= size:
+            pos, walked = _skip(data, pos, end, 0)
+            count += walked
+        if count >= most or pos - start >= size:
             if pos > end:
                 break
             yield data[start:pos]
@@ -101,30 +116,35 @@ def runs(data: Encoding) -> Iterator[Encoding]:
         yield data[start:end]
 
 
-def _skip(data: Encoding, pos: int, end: int, depth: int) -> int:
-    """Where the field at `pos` ends (it may be past `end`: the caller says so)."""
+def _skip(data: Encoding, pos: int, end: int, depth: int) -> tuple[int, int]:
+    """Where the field at `pos` ends (it may be past `end`: the caller says so), and the
+    fields walked: 1, and a group's fields (nested ones too; see MAX_GROUP_FIELDS)."""
     tag, pos = _varint(data, pos, end)
     number, wire_type = tag >> 3, tag & 7
     if number == 0 or tag > 0xFFFFFFFF:
         raise DecodeError(f"invalid field tag {tag}")
     if wire_type == 0:
-        return _varint(data, pos, end)[1]
+        return _varint(data, pos, end)[1], 1
     if wire_type == _LENGTH_DELIMITED:
         length, pos = _varint(data, pos, end)
-        return pos + length
+        return pos + length, 1
     if wire_type in _FIXED_SIZE:
-        return pos + _FIXED_SIZE[wire_type]
+        return pos + _FIXED_SIZE[wire_type], 1
     if wire_type == _START_GROUP:
         if depth >= MAX_GROUP_DEPTH:
             raise DecodeError(f"groups nested more than {MAX_GROUP_DEPTH} deep")
-        closing = number << 3 | _END_GROUP
+        closing, walked = number << 3 | _END_GROUP, 1
         while True:
             if pos >= end:
                 raise DecodeError(f"group {number} has no end")
             inner, after = _varint(data, pos, end)
             if inner == closing:
-                return after
-            pos = _skip(data, pos, end, depth + 1)
+                return after, walked
+            pos, inside = _skip(data, pos, end, depth + 1)
+            walked += inside
+            if walked > MAX_GROUP_FIELDS:
+                raise DecodeError(f"group {number} holds more than {MAX_GROUP_FIELDS} "
+                                  "fields (not read)")
     raise DecodeError(f"field {number}: wire type {wire_type} where a field starts")
 
 

@@ -16,11 +16,13 @@ Properties:
   (for requests over convert.LARGE_REQUEST bytes: the pod and container left encoded,
   then decoded a run of fields at a time as the large views, annotations as their map
   entries, by convert.large_container_info; the runs cut by nri.fields.runs) decodes
-  exactly the bytes the view decodes, to the same annotations but for an entry holding
-  an unknown field (protobuf's Python decoding of a map sets such an entry aside among
-  the message's unknown fields; Go's, the runtime's, keeps its key and value, and so
-  do the large views); where there is none, it plans as the view does: the same
-  answer, or the same refusal; the same with runs of 1 and 3 fields;
+  exactly the bytes the view decodes (but for its bounds, which these inputs are far
+  below: 64 fields at a request's top, 1,000 in a group), to the same annotations but
+  for an entry holding an unknown field (protobuf's Python decoding of a map sets such
+  an entry aside among the message's unknown fields; Go's, the runtime's, keeps its
+  key and value, and so do the large views); where there is none, it plans as the
+  view does: the same answer, or the same refusal; the same with runs of 1 and 3
+  fields;
 - planning and building the answer raise only NriAccelError subclasses (never
   InternalError, the wrapper of a bug), with a `source` their text starts with;
 - a refused request changes no Engine state: the holdings and their version are as
