@@ -178,6 +178,9 @@ class AccelPlugin:
                 pod, container, ENV_SCOPE, ANNOTATION_PREFIXES, CONTAINER_KEYS))
         except DecodeError as exc:
             raise malformed("CreateContainerRequest", exc) from exc
+        except NriAccelError as exc:  # more of a kind than is read: its names unread too
+            self._refused(None, exc, started)
+            raise
         return self._create(info, started)
 
     def _create(self, info: ContainerInfo, started: int) -> Any:
@@ -207,12 +210,15 @@ class AccelPlugin:
                  duration_us=elapsed // 1000)
         return result
 
-    def _refused(self, info: ContainerInfo, exc: Exception, started: int) -> None:
+    def _refused(self, info: ContainerInfo | None, exc: Exception, started: int) -> None:
+        """Record and log a refusal (of a container whose request was not read as far
+        as its names: `info` None)."""
         elapsed = time.perf_counter_ns() - started
         unexpected = not isinstance(exc, NriAccelError)
         self._created.record(ERROR if unexpected else REFUSED, elapsed / 1e9)
-        log.warning("container_refused", namespace=_shown(info.namespace),
-                    pod=_shown(info.pod_name), container=_shown(info.container_name),
+        names = (info.namespace, info.pod_name, info.container_name) if info else ("", "", "")
+        log.warning("container_refused", namespace=_shown(names[0]),
+                    pod=_shown(names[1]), container=_shown(names[2]),
                     error=_shown(str(exc), 1024), source=_shown(getattr(exc, "source", "")),
                     duration_us=elapsed // 1000, exc_info=exc if unexpected else None)
 

@@ -68,6 +68,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from msgspec import Struct
 
 from nri_accel.container import ContainerInfo
+from nri_accel.errors import RequestError
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri import nri_views_pb2 as views
 from nri_accel.nri.fields import Encoding, runs, values
@@ -201,7 +202,8 @@ def large_container_info(pod: Encoded, container: Encoded, env_scope: tuple[str,
     and the container's with one of `own_keys` (of a key given twice, the later entry,
     as protobuf decodes a map), every device path and mount destination, and of each
     of the ids and names the last run that holds it (as protobuf keeps a singular
-    field's last occurrence). Raises protobuf's DecodeError."""
+    field's last occurrence). Raises protobuf's DecodeError, or RequestError for more than
+    MOST_KEPT of a kind it keeps."""
     pod_fields: dict[str, str] = {}
     pod_annotations: dict[str, str] = {}
     for run in runs(pod.data):
@@ -209,6 +211,7 @@ def large_container_info(pod: Encoded, container: Encoded, env_scope: tuple[str,
         _present(part, ("id", "name", "uid", "namespace"), pod_fields)
         pod_annotations.update((a.key, a.value) for a in part.annotations
                                if a.key.startswith(pod_keys))
+        _check_kept("pod annotations", pod_annotations)
         yield
     fields: dict[str, str] = {}
     annotations: dict[str, str] = {}
@@ -223,16 +226,34 @@ def large_container_info(pod: Encoded, container: Encoded, env_scope: tuple[str,
         env += _searched(part.env, env_scope)  # a run's thousand: faster as one string
         destinations.update(map(attrgetter("destination"), part.mounts[:]))
         linux += part.linux
+        for kind, kept in (("annotations", annotations), ("env entries", env),
+                           ("mounts", destinations)):
+            _check_kept(kind, kept)
         yield
     device_paths: set[str] = set()
     for run in runs(b"".join(linux)):
         devices = views.LinuxContainer.FromString(run).devices
         device_paths.update(map(attrgetter("path"), devices[:]))
+        _check_kept("devices", device_paths)
         yield
     return container_info(views.PodSandbox(**pod_fields), views.Container(**fields), tuple(env),
                           pod_annotations=pod_annotations, annotations=annotations,
                           device_paths=frozenset(device_paths),
                           mount_destinations=frozenset(destinations))
+
+
+MOST_KEPT = 65_536
+"""Of a container given as its encoding, the most large_container_info() keeps of each
+kind it reads: mounts (a mount namespace holds at most 100,000, fs.mount-max), devices,
+env entries and annotations under the prefixes read (the request parser refuses more
+than a few hundred of these anyway). Each is a set, list or dict that grows and is
+copied whole in one step, some 10 ms a 100,000: a container of more is refused."""
+
+
+def _check_kept(kind: str, kept: Collection[Any]) -> None:
+    if len(kept) > MOST_KEPT:
+        raise RequestError(f"more than {MOST_KEPT} {kind} in one request, which nri-accel "
+                           "does not read", source=f"container {kind}")
 
 
 def _present(part: Any, names: tuple[str, ...], into: dict[str, str]) -> None:
