@@ -23,7 +23,8 @@ annotations are read in parts, the loop free in between. Cases:
 - instead, N CDI annotation keys on the container (`cdi.k8s.io/k<i>`, each naming a
   device), and N env entries defining NVIDIA_REQUIRE_* variables: requests over the
   bounds of nri_accel.request, refused (each had held the loop 0.1-2.3 s when every
-  key was parsed); a refusal is timed as an answer;
+  key was parsed; at the default N, over convert.MOST_KEPT too, they are refused as
+  the 65,537th is read); a refusal is timed as an answer;
 - instead, 13 N env entries of one character (`A`): nearly the most fields 4 MiB holds,
   which protobuf decoded in one call of some 47 ms (a large request's pod and
   container are now decoded a run of fields at a time: nri.fields).
