@@ -202,8 +202,8 @@ def large_container_info(pod: Encoded, container: Encoded, env_scope: tuple[str,
     and the container's with one of `own_keys` (of a key given twice, the later entry,
     as protobuf decodes a map), every device path and mount destination, and of each
     of the ids and names the last run that holds it (as protobuf keeps a singular
-    field's last occurrence). Raises protobuf's DecodeError, or RequestError for more than
-    MOST_KEPT of a kind it keeps."""
+    field's last occurrence). Raises protobuf's DecodeError, or RequestError for more
+    than MOST_KEPT of a kind it keeps."""
     pod_fields: dict[str, str] = {}
     pod_annotations: dict[str, str] = {}
     for run in runs(pod.data):
@@ -211,7 +211,7 @@ def large_container_info(pod: Encoded, container: Encoded, env_scope: tuple[str,
         _present(part, ("id", "name", "uid", "namespace"), pod_fields)
         pod_annotations.update((a.key, a.value) for a in part.annotations
                                if a.key.startswith(pod_keys))
-        _check_kept("pod annotations", pod_annotations)
+        _check_kept("pod", "annotations", pod_annotations)
         yield
     fields: dict[str, str] = {}
     annotations: dict[str, str] = {}
@@ -228,13 +228,13 @@ def large_container_info(pod: Encoded, container: Encoded, env_scope: tuple[str,
         linux += part.linux
         for kind, kept in (("annotations", annotations), ("env entries", env),
                            ("mounts", destinations)):
-            _check_kept(kind, kept)
+            _check_kept("container", kind, kept)
         yield
     device_paths: set[str] = set()
     for run in runs(b"".join(linux)):
         devices = views.LinuxContainer.FromString(run).devices
         device_paths.update(map(attrgetter("path"), devices[:]))
-        _check_kept("devices", device_paths)
+        _check_kept("container", "devices", device_paths)
         yield
     return container_info(views.PodSandbox(**pod_fields), views.Container(**fields), tuple(env),
                           pod_annotations=pod_annotations, annotations=annotations,
@@ -250,10 +250,10 @@ than a few hundred of these anyway). Each is a set, list or dict that grows and 
 copied whole in one step, some 10 ms a 100,000: a container of more is refused."""
 
 
-def _check_kept(kind: str, kept: Collection[Any]) -> None:
+def _check_kept(whose: str, kind: str, kept: Collection[Any]) -> None:
     if len(kept) > MOST_KEPT:
         raise RequestError(f"more than {MOST_KEPT} {kind} in one request, which nri-accel "
-                           "does not read", source=f"container {kind}")
+                           "does not read", source=f"{whose} {kind}")
 
 
 def _present(part: Any, names: tuple[str, ...], into: dict[str, str]) -> None:

@@ -223,27 +223,33 @@ def test_a_huge_create_whose_container_does_not_decode_is_refused_as_malformed(
     assert not [line for line in logs if line["log_level"] == "error"]
 
 
-@pytest.mark.parametrize("kind, ctr_fields", [
-    ("mounts", {"mounts": [{"destination": f"/m/{i:06d}", "source": "/s"}
-                           for i in range(8 * SLICE)]}),
-    ("devices", {"linux": {"devices": [{"path": f"/dev/x{i:06d}"} for i in range(8 * SLICE)]}}),
-    ("env entries", {"env": [f"NV_GPU={i}" for i in range(8 * SLICE)]}),
-    ("annotations", {"annotations": {f"cdi.k8s.io/k{i:06d}": "vendor.com/class=a"
-                                     for i in range(8 * SLICE)}}),
+_MANY_KEYS = {f"cdi.k8s.io/k{i:06d}": "vendor.com/class=a" for i in range(8 * SLICE)}
+
+
+@pytest.mark.parametrize("source, pod_annotations, ctr_fields", [
+    ("pod annotations", _MANY_KEYS, {}),
+    ("container annotations", {}, {"annotations": _MANY_KEYS}),
+    ("container mounts", {}, {"mounts": [{"destination": f"/m/{i:06d}", "source": "/s"}
+                                         for i in range(8 * SLICE)]}),
+    ("container devices", {}, {"linux": {"devices": [{"path": f"/dev/x{i:06d}"}
+                                                     for i in range(8 * SLICE)]}}),
+    ("container env entries", {}, {"env": [f"NV_GPU={i}" for i in range(8 * SLICE)]}),
 ])
 def test_a_huge_create_of_more_of_a_kind_than_is_kept_is_refused_naming_it(
-        monkeypatch: pytest.MonkeyPatch, kind: str, ctr_fields: dict[str, Any]) -> None:
+        monkeypatch: pytest.MonkeyPatch, source: str, pod_annotations: dict[str, str],
+        ctr_fields: dict[str, Any]) -> None:
     # each kind is kept in a set, list or dict copied whole in one step: more than
     # MOST_KEPT (65,536; 2,000 here) is refused as it is found, the request unread
     monkeypatch.setattr(convert, "MOST_KEPT", 2 * SLICE)
-    pod = make_pod({"name": "p", "namespace": "ml"})
+    pod = make_pod({"name": "p", "namespace": "ml", "annotations": pod_annotations})
     ctr = make_container(pod, {"name": "main", **ctr_fields})
     with capture_logs() as logs, pytest.raises(RequestError) as raised:
         served_large(plugin("ml"), pod, ctr)
-    assert raised.value.source == f"container {kind}"
+    kind = source.split(" ", 1)[1]
+    assert raised.value.source == source
     assert f"more than {2 * SLICE} {kind} in one request" in str(raised.value)
     (line,) = [line for line in logs if line["event"] == "container_refused"]
-    assert line["source"] == f"container {kind}" and line["container"] == ""
+    assert line["source"] == source and line["container"] == ""
 
 
 def test_a_huge_create_that_asks_nothing_is_answered_empty() -> None:
