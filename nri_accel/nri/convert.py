@@ -64,7 +64,6 @@ from operator import attrgetter, itemgetter, methodcaller
 from types import MappingProxyType
 from typing import Any
 
-from google.protobuf.unknown_fields import UnknownFieldSet
 from msgspec import Struct
 
 from nri_accel.container import ContainerInfo
@@ -217,21 +216,23 @@ def large_container_info(pod: Encoded, container: Encoded, env_scope: tuple[str,
     annotations: dict[str, str] = {}
     env: list[str] = []
     destinations: set[str] = set()
-    linux: list[bytes] = []
+    linux = bytearray()  # every occurrence of the linux part, joined a run at a time
     for run in runs(container.data):
         part = views.LargeContainer.FromString(run)
         _present(part, ("id", "name"), fields)
         annotations.update((a.key, a.value) for a in part.annotations
                            if a.key.startswith(own_keys))
-        env += _searched(part.env, env_scope)  # a run's thousand: faster as one string
+        # a run's thousand tested one by one: searched as one string they take 40 %
+        # less, but a long entry costs that search in proportion (one of 4 MiB: 36 ms)
+        env += env_entries(part.env, env_scope)
         destinations.update(map(attrgetter("destination"), part.mounts[:]))
-        linux += part.linux
+        linux += b"".join(part.linux)
         for kind, kept in (("annotations", annotations), ("env entries", env),
                            ("mounts", destinations)):
             _check_kept("container", kind, kept)
         yield
     device_paths: set[str] = set()
-    for run in runs(b"".join(linux)):
+    for run in runs(linux):
         devices = views.LinuxContainer.FromString(run).devices
         device_paths.update(map(attrgetter("path"), devices[:]))
         _check_kept("container", "devices", device_paths)
@@ -540,9 +541,15 @@ def _kept_bare(item: Any, keys: tuple[str, ...], needles: tuple[bytes, ...],
     wanted, found = frozenset(keys), {}
     for run in runs(raw):
         found.update((a.key, a.value) for a in large.FromString(run).annotations
-                     if a.key in wanted and not UnknownFieldSet(a))
+                     if a.key in wanted and _key_and_value_only(a))
         yield
     return _wanted(found, keys)
+
+
+def _key_and_value_only(entry: views.Annotation) -> bool:
+    """Whether a map entry holds no field but its key and value: its size is theirs
+    (UnknownFieldSet would build an object per other field, 2 million in one call)."""
+    return entry.ByteSize() == views.Annotation(key=entry.key, value=entry.value).ByteSize()
 
 
 def live_containers(containers: Iterable[pb.Container | SyncedContainer],

@@ -31,10 +31,12 @@ RUN_FIELDS = 1_000
 many elements for the reader (1-2 us each where it keeps them: an annotation's key
 and value read and stored)."""
 
-RUN_BYTES = 256 * 1024
+RUN_BYTES = 128 * 1024
 """Bytes after which a run ends, at the end of the field that reaches them (a field
-larger is a run of its own): 0.1-0.3 ms for protobuf to decode a run of a Synchronize
-part, whose containers are some 3 KB each."""
+larger is a run of its own): 0.05-0.15 ms for protobuf to decode a run of a
+Synchronize part, whose containers are some 3 KB each; at most two pods or containers
+that hold the text of a key read and are decoded with their annotation map (128 KiB:
+2-3 ms each, nri.convert.SYNC_MAP_BYTES)."""
 
 MAX_GROUP_FIELDS = 1_000
 """Fields a group may hold, nested ones included: a field is never cut, so a group is

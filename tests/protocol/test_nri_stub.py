@@ -554,7 +554,7 @@ async def test_keep_synchronized_takes_a_slice_at_a_time_and_the_loop_turns_betw
     # one), and a run's containers are handed over SYNC_SLICE at a time
     per_run = min(-(-fields.RUN_BYTES // field), fields.RUN_FIELDS)
     assert sum(sizes) == 1501 and max(sizes) == min(SYNC_SLICE, per_run)
-    assert max(sizes) == (66 if env else SYNC_SLICE)
+    assert max(sizes) == (33 if env else SYNC_SLICE)
     seen = [at for _, at in plugin.calls]
     assert all(a < b for a, b in itertools.pairwise(seen))  # the loop ran between any two
     assert plugin.synced == [(1, 1500)]
