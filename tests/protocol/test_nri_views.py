@@ -5,6 +5,7 @@ through its views as through the full message, and reads the same taken as a lar
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,14 @@ from msgspec.structs import replace
 from steps import finished
 from wire import CAPTURES, relay_conns, runtime_requests
 
-from nri_accel.config import Config
+from nri_accel.config import Config, PolicyConfig
 from nri_accel.container import ContainerInfo
 from nri_accel.engine import ENV_SCOPE, Engine
 from nri_accel.nri import convert
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri import nri_views_pb2 as views
 from nri_accel.nri.simulator import make_container, make_pod
-from nri_accel.nri.stub import Identity, Stub
+from nri_accel.nri.stub import Identity, Stub, length_delimited
 from nri_accel.plugin import CONTAINER_KEYS, AccelPlugin
 from nri_accel.request import ANNOTATION_PREFIXES
 
@@ -266,7 +267,9 @@ def test_the_daemon_reads_creates_and_synchronize_through_the_views() -> None:
 
 
 def test_the_requests_that_end_a_container_or_a_pod_are_read_for_their_ids() -> None:
-    # a container with 100,000 annotations: as a map, some 50 ms of decoding per request
+    # a container with 100,000 annotations: as a map, some 50 ms of decoding per request;
+    # over convert.LARGE_REQUEST, a StopContainer's or RemoveContainer's container comes
+    # as its encoding, its id read a run of fields at a time
     pod = make_pod({"name": "p", "uid": "u-1"})
     ctr = make_container(pod, {"name": "c", "id": "c-1", "annotations": {
         f"k{i:06d}": "v" for i in range(100_000)}})
@@ -276,7 +279,10 @@ def test_the_requests_that_end_a_container_or_a_pod_are_read_for_their_ids() -> 
         request_decoders = convert.REQUEST_DECODERS
 
         def stop_container(self, pod: Any, container: Any) -> None:
-            seen.append((container.DESCRIPTOR.name, container.id))
+            if convert.is_large(container):
+                seen.append(("Encoded", finished(convert.ended_id(container))))
+            else:
+                seen.append((container.DESCRIPTOR.name, container.id))
 
         remove_container = stop_container
 
@@ -293,5 +299,37 @@ def test_the_requests_that_end_a_container_or_a_pod_are_read_for_their_ids() -> 
     for event in (pb.REMOVE_CONTAINER, pb.STOP_POD_SANDBOX):  # NRI before v0.7
         services["StateChange"](None, pb.StateChangeEvent(
             event=event, pod=pod, container=ctr).SerializeToString())
-    assert seen == [("EndedContainer", "c-1")] * 2 + [("EndedPod", pod.id, "u-1")] * 2 + [
+    assert seen == [("Encoded", "c-1")] * 2 + [("EndedPod", pod.id, "u-1")] * 2 + [
         ("EndedContainer", "c-1"), ("EndedPod", pod.id, "u-1")]
+
+
+@pytest.mark.parametrize("method", ["StopContainer", "RemoveContainer"])
+def test_a_large_end_of_a_container_releases_its_grant(method: str) -> None:
+    # the container of the end as a CRI client may send it: 100,000 one-byte env entries
+    # (a view would skip them in one C call of some 5 ms); its id given twice, the last
+    # one counts, as protobuf reads it
+    plugin = AccelPlugin(Engine(demo_inventory(), Config(policy=PolicyConfig("standalone"))))
+    pod = make_pod({"name": "p", "namespace": "ml", "annotations": {
+        "devices.nri-accel.io/container.c": "nvidia.com/gpu=0"}})
+    ctr = make_container(pod, {"name": "c", "id": "c-1"})
+    assert plugin.create_container(*_glance_or_view(plugin, pod, ctr))  # the GPU granted
+    assert plugin.engine.holds("c-1", "", "")
+    ended = pb.Container(id="decoy", env=["A"] * 100_000)
+    data = ended.SerializeToString() + pb.Container(id="c-1").SerializeToString()
+    payload = length_delimited(1, pod.SerializeToString()) + length_delimited(2, data)
+    assert len(payload) > convert.LARGE_REQUEST
+    services = Stub(plugin, Identity("nri-accel", "40"), socket_path="/nonexistent")._services()
+    answer = services[method](None, payload)
+    assert not isinstance(answer, bytes)  # the id is read in steps
+    assert asyncio.run(_awaited(answer)) == b""
+    assert not plugin.engine.holds("c-1", "", "")
+
+
+def _glance_or_view(plugin: AccelPlugin, pod: Any, ctr: Any) -> tuple[Any, Any]:
+    req = plugin.request_decoders["CreateContainer"](
+        pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString())
+    return req.pod, req.container
+
+
+async def _awaited(answer: Any) -> Any:
+    return await answer
