@@ -588,8 +588,10 @@ def live_containers(containers: Iterable[pb.Container | SyncedContainer],
     """Every synchronised container that has not stopped, as a ContainerInfo carrying of
     the container's and of its pod's annotations only `keys` (a Synchronize can list
     tens of thousands of containers: nothing else is kept)."""
-    keys = tuple(keys)
-    by_id: dict[str, Any] = {p.id: p for p in pods}
+    keys, containers = tuple(keys), list(containers)
+    # of the pods (tens of thousands, in one step), only those a container is in
+    wanted = {c.pod_sandbox_id for c in containers}
+    by_id: dict[str, Any] = {p.id: p for p in pods if p.id in wanted}
     empty = pb.PodSandbox()
     for c in containers:
         if c.state == pb.CONTAINER_STOPPED:
