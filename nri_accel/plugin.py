@@ -234,16 +234,17 @@ class AccelPlugin:
             self.requests[event].record(outcome, (time.perf_counter_ns() - started) / 1e9)
 
     def stop_container(self, pod: Any, container: Any) -> Any:
-        if convert.is_large(container):
-            return self._end_large("stop_container", "StopContainerRequest", container)
-        with self._timed("stop_container"):
-            self._released(self.engine.release(container.id))
-        return None
+        return self._ended("stop_container", "StopContainerRequest", container)
 
     def remove_container(self, pod: Any, container: Any) -> Any:
+        return self._ended("remove_container", "RemoveContainerRequest", container)
+
+    def _ended(self, event: str, message: str, container: Any) -> Any:
+        """The end of a container (`event`, of a request of `message`): its grant
+        released; for a container given as its encoding, a coroutine that does so."""
         if convert.is_large(container):
-            return self._end_large("remove_container", "RemoveContainerRequest", container)
-        with self._timed("remove_container"):
+            return self._end_large(event, message, container)
+        with self._timed(event):
             self._released(self.engine.release(container.id))
         return None
 

@@ -398,15 +398,9 @@ def mention_test(key_prefixes: tuple[str, ...], env_prefixes: tuple[str, ...],
 def env_entries(env: Sequence[str], prefixes: tuple[str, ...]) -> tuple[str, ...]:
     """The entries of `env` that start with one of `prefixes`, in order. A large env is
     searched as one string (see the module docstring)."""
-    if len(env) <= LARGE_ENV:
-        return tuple(filter(methodcaller("startswith", prefixes), env))
-    return _searched(env, prefixes)
-
-
-def _searched(env: Sequence[str], prefixes: tuple[str, ...]) -> tuple[str, ...]:
-    """env_entries() of `env` searched as one string, whatever its size (see the module
-    docstring)."""
     starts = methodcaller("startswith", prefixes)
+    if len(env) <= LARGE_ENV:
+        return tuple(filter(starts, env))
     text = "\0".join(env[:])  # a slice: protobuf lists it faster than join would
     if text.count("\0") != len(env) - 1:  # an entry holds a NUL
         return tuple(filter(starts, env))
