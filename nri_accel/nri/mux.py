@@ -161,8 +161,10 @@ class MuxProtocol(GatedReader):
     first is missed. Bytes for a connection nobody attached are dropped, as the Go
     multiplexer does. A framing error closes the socket and is passed to every
     consumer's connection_lost; `lost` resolves when the socket is gone, with the
-    error or None. `serving`: stop reading while the write buffer is full (the
-    plugin's side; see the module doc). hold_reading() pauses reading too.
+    error or None. The owner, who knows what the connection was for, reports the
+    error (the stub: once per outage while it retries); the mux logs it at debug.
+    `serving`: stop reading while the write buffer is full (the plugin's side; see
+    the module doc). hold_reading() pauses reading too.
     """
 
     def __init__(
@@ -238,7 +240,7 @@ class MuxProtocol(GatedReader):
         try:
             chunks = self._demux.feed(data)
         except MuxError as exc:
-            log.error("mux_protocol_error", error=str(exc))
+            log.debug("mux_protocol_error", error=str(exc))
             self._error = exc
             chunks = []
             if self._transport is not None:

@@ -431,8 +431,12 @@ class Stub:
                      events=mask_events(self.events))
             # shielded: stop() cancels this task, and _linger() still waits on `lost`
             error = await asyncio.shield(mux.lost)
-            log.warning("runtime_disconnected", plugin=self.identity.full_name,
-                        error=_describe(error) if error else None)
+            if isinstance(error, MuxError):  # the mux's own line is at debug
+                log.error("runtime_disconnected", plugin=self.identity.full_name,
+                          error=str(_lost(error, "while registered")))
+            else:
+                log.warning("runtime_disconnected", plugin=self.identity.full_name,
+                            error=_describe(error) if error else None)
         finally:
             self.registered.clear()
             if self._configured.done() and not self._configured.cancelled():
@@ -868,9 +872,9 @@ def _as_ttrpc_error(exc: Exception, what: str) -> TtrpcError:
 
 
 def _lost(error: Exception | None, when: str) -> ConnectionError:
-    """The error of a connection that ended `when` (before registering completed), saying
-    what the peer did: sent bytes that break NRI's framing (the multiplexer's: what
-    listens there is not an NRI runtime), or closed it."""
+    """The error of a connection that ended `when` (before registering completed, or
+    while registered), saying what the peer did: sent bytes that break NRI's framing
+    (the multiplexer's: what listens there is not an NRI runtime), or closed it."""
     if isinstance(error, MuxError):
         return ConnectionAbortedError(
             f"the peer sent bytes that are not NRI ({error}) {when}")

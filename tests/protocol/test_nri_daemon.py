@@ -189,8 +189,13 @@ async def test_malformed_and_oversize_input_is_answered_and_serving_goes_on(
             assert again is not conn
     finally:
         assert stop(proc) == 0
-    events = [e["event"] for e in log_events(daemon_files)]
-    assert "mux_protocol_error" in events and events.count("registered") == 2
+    lines = log_events(daemon_files)
+    events = [e["event"] for e in lines]
+    assert events.count("registered") == 2
+    broken = [e for e in lines if e["event"] == "runtime_disconnected"]
+    assert [(e["level"], e["error"].startswith("the peer sent bytes that are not NRI (mux "))
+            for e in broken] == [("error", True)]
+    assert "while registered" in broken[0]["error"]
     refused = [e for e in events if e.startswith("ttrpc_frame_refused")]
     assert any("RESOURCE_EXHAUSTED" in e for e in refused)  # the ttrpc layer's own line
 

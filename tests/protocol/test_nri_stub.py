@@ -227,6 +227,8 @@ async def test_one_runtime_unavailable_line_per_outage_whatever_the_error(
     assert accepted >= 6
     warnings = [e for e in logs if e["event"] == "runtime_unavailable"]
     assert len(warnings) == 1, warnings
+    # the bytes that are not NRI: said in those lines, not once more a retry at error level
+    assert [e for e in logs if e["log_level"] in ("warning", "error")] == warnings
     retries = [e["error"] for e in logs if e["event"] == "runtime_still_unavailable"]
     assert len(retries) >= 4 and len({warnings[0]["error"], *retries}) >= 2
 
