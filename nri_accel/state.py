@@ -34,7 +34,9 @@ device-manager checkpoint does the same) and read at start:
 
     {"version": 1, "boot_id": "...", "known": true, "grants": [{"container_id": ...,
       "pod_uid": ..., "pod_id": ..., "name": "ns/pod/container", "exclusive": [keys],
-      "shared": [keys]}]}
+      "shared": [keys], "wholes": {part key: whole key}}]}
+
+("wholes", of the parts a grant holds, only where it has any: Holdings.set_parts.)
 
 A checkpoint of another boot holds nothing (no container survives a reboot). A missing
 one means nri-accel never granted anything on this boot: every `run` writes one before
@@ -63,7 +65,7 @@ from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping
 from typing import Any
 
 import msgspec
-from msgspec import Struct, field
+from msgspec import Struct, field, structs
 
 from nri_accel.errors import AllocationError, ConfigError, StateError
 from nri_accel.files import UnreadableFile, read_regular
@@ -90,6 +92,10 @@ class Grant(Struct, frozen=True):
     container_name: str = ""
     exclusive: frozenset[str] = frozenset()  # Device.key of each device held exclusively
     shared: frozenset[str] = frozenset()  # Device.key of each device used shared
+    wholes: tuple[tuple[str, str], ...] = ()
+    """(part key, whole key) of parts it holds, as a checkpoint recorded them
+    (Holdings.to_json): a part whose device has vanished since (a MIG device whose GPU
+    left MIG mode) still ties its whole, whose device node the container has."""
 
     @property
     def pod(self) -> str:
@@ -100,7 +106,8 @@ class Grant(Struct, frozen=True):
         return {"container_id": self.container_id, "name": self.name,
                 "pod_uid": self.pod_uid, "pod_id": self.pod_id,
                 "container_name": self.container_name,
-                "exclusive": sorted(self.exclusive), "shared": sorted(self.shared)}
+                "exclusive": sorted(self.exclusive), "shared": sorted(self.shared),
+                **({"wholes": dict(self.wholes)} if self.wholes else {})}
 
     @classmethod
     def from_dict(cls, data: Any) -> Grant:
@@ -119,10 +126,17 @@ class Grant(Struct, frozen=True):
                 raise ValueError(f"{key} must be a list of strings")
             return frozenset(value)
 
+        def wholes() -> tuple[tuple[str, str], ...]:
+            value = data.get("wholes", {})
+            if not isinstance(value, dict) or not all(
+                    isinstance(k, str) and isinstance(w, str) for k, w in value.items()):
+                raise ValueError("wholes must map keys to keys")
+            return tuple(sorted(value.items()))
+
         if not text("container_id"):
             raise ValueError("container_id is empty")
         return cls(text("container_id"), text("name"), text("pod_uid"), text("pod_id"),
-                   text("container_name"), keys("exclusive"), keys("shared"))
+                   text("container_name"), keys("exclusive"), keys("shared"), wholes())
 
 
 class _Busy(Mapping[str, str]):
@@ -182,11 +196,18 @@ class Holdings(Struct):
     def set_parts(self, parts: Mapping[str, str]) -> None:
         """Which device is a part of which (part key -> whole key), for the rule in the
         module docstring: set from each inventory (the Engine does), kept apart from the
-        grants, which name devices only by key."""
+        grants, which name devices only by key. A part still held keeps its whole when
+        `parts` no longer lists it (its device vanished, or its GPU left MIG mode): its
+        container still has the whole's device node, and the whole is not granted
+        exclusively until it ends."""
+        held = {p: w for p, w in self._whole.items() if p in self._holders}
+        self._link({**held, **parts})
+
+    def _link(self, links: Mapping[str, str]) -> None:
         wholes: dict[str, set[str]] = {}
-        for part, whole in parts.items():
+        for part, whole in links.items():
             wholes.setdefault(whole, set()).add(part)
-        self._whole = dict(parts)
+        self._whole = dict(links)
         self._parts = {w: frozenset(p) for w, p in wholes.items()}
         self._related = frozenset(self._whole) | frozenset(self._parts)
         self.version += 1
@@ -302,6 +323,9 @@ class Holdings(Struct):
     def record(self, grant: Grant) -> tuple[Grant, ...]:
         """Record `grant` (check() it first), replacing what it replaces; returns those."""
         gone = tuple(g for i in self.replaced(grant) if (g := self.release(i)) is not None)
+        unlinked = {p: w for p, w in grant.wholes if p not in self._whole}
+        if unlinked:  # a checkpoint's part that no inventory lists now
+            self._link({**self._whole, **unlinked})
         if grant.exclusive or grant.shared:
             self._grants[grant.container_id] = grant
             for key in grant.exclusive:
@@ -347,8 +371,14 @@ class Holdings(Struct):
     def to_json(self, boot_id: str) -> str:
         return json.dumps({"version": CHECKPOINT_VERSION, "boot_id": boot_id,
                            "known": self.known,
-                           "grants": [g.to_dict() for g in self.grants()]},
+                           "grants": [self._with_wholes(g).to_dict()
+                                      for g in self.grants()]},
                           separators=(",", ":")) + "\n"
+
+    def _with_wholes(self, grant: Grant) -> Grant:
+        """`grant` with the whole of each part it holds exclusively, as known now."""
+        wholes = tuple((k, self._whole[k]) for k in sorted(grant.exclusive) if k in self._whole)
+        return grant if wholes == grant.wholes else structs.replace(grant, wholes=wholes)
 
 
 def read_boot_id(path: str = BOOT_ID_PATH) -> str:

@@ -225,7 +225,9 @@ def test_no_checkpoint_means_nothing_granted_on_this_boot(tmp_path: Path):
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "grants": []}),
-                                     json.dumps({"version": 1, "grants": [{"x": 1}]})])
+                                     json.dumps({"version": 1, "grants": [{"x": 1}]}),
+                                     json.dumps({"version": 1, "grants": [
+                                         {"container_id": "a", "wholes": {"k/p=0": 1}}]})])
 def test_an_unreadable_checkpoint_leaves_counts_refused_until_synchronize(tmp_path: Path,
                                                                          content: str):
     state = tmp_path / "state"

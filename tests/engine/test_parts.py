@@ -5,15 +5,18 @@ plans and commits containers."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from types import MappingProxyType
 
 import pytest
 from engine_testing import admit, container, demo_inventory, held, standalone
+from msgspec import structs
 
-from nri_accel.engine import Engine
+from nri_accel.engine import Engine, grant_annotations
 from nri_accel.errors import AllocationError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Inventory
-from nri_accel.state import Grant, Holdings
+from nri_accel.state import Checkpoint, Grant, Holdings
 from nri_accel.vendors.neuron import KIND, KIND_CORE
 
 
@@ -100,6 +103,58 @@ def test_a_whole_gpu_for_mig_configuration_waits_for_its_mig_devices() -> None:
         engine.plan(info)
     engine.release("a")
     assert admit(engine, info).qualified_names == ("nvidia.com/gpu=7",)
+
+
+def mig_mode_off(inv: Inventory, gpu: str) -> Inventory:
+    """`inv` after `nvidia-smi -i <gpu> -mig 0`: that GPU without MIG mode, and without
+    its MIG devices, as the next discovery finds it."""
+    whole = inv.find("nvidia.com/gpu", gpu)
+    assert whole is not None
+    off = structs.replace(whole, attributes=MappingProxyType(
+        {**whole.attributes, "mig_mode": "disabled"}))
+    return dataclasses.replace(inv, devices=tuple(
+        off if d is whole else d for d in inv.devices
+        if not (d.kind == "nvidia.com/mig" and d.parent == gpu)))
+
+
+def test_a_held_mig_device_whose_gpu_left_mig_mode_still_ties_its_gpu() -> None:
+    # The container still has /dev/nvidia7: until it ends, GPU 7 goes to nobody else,
+    # though the new inventory no longer says that MIG device was part of it.
+    inv = demo_inventory()
+    engine = Engine(inv, standalone())
+    admit(engine, asks("nvidia.com/mig=7:0", "a"))
+    engine.swap_inventory(mig_mode_off(inv, "7"))
+    whole = asks("nvidia.com/gpu=7", "b")
+    with pytest.raises(AllocationError, match=r"nvidia\.com/gpu=GPU-.*\(its part "
+                                              r"nvidia\.com/mig=MIG-.*\) is held by"):
+        engine.plan(whole)
+    engine.release("a")
+    engine.swap_inventory(mig_mode_off(inv, "7"))  # the next refresh forgets the link
+    assert admit(engine, whole).qualified_names == ("nvidia.com/gpu=7",)
+
+
+def test_the_checkpoint_keeps_a_held_parts_whole_across_a_restart(tmp_path: Path) -> None:
+    inv = demo_inventory()
+    engine = Engine(inv, standalone())
+    admit(engine, asks("nvidia.com/mig=7:0", "a"))
+    checkpoint = Checkpoint(str(tmp_path), boot_id="boot")
+    checkpoint.save(engine.holdings.to_json("boot"))
+    gpu, mig = inv.find("nvidia.com/gpu", "7"), inv.find("nvidia.com/mig", "7:0")
+    assert gpu is not None and mig is not None
+    grants, known = checkpoint.load()
+    assert [g.wholes for g in grants] == [((mig.key, gpu.key),)]
+
+    restarted = Engine(mig_mode_off(inv, "7"), standalone())  # reconfigured meanwhile
+    restarted.load_checkpoint(grants, known=known)
+    with pytest.raises(AllocationError, match=r"\(its part nvidia\.com/mig=MIG-"):
+        restarted.plan(asks("nvidia.com/gpu=7", "b"))
+    # A Synchronize restores the grant from the container's annotation, which names the
+    # part only: the link the checkpoint gave is kept.
+    restarted.restore_grants(restarted.grants_in([container(
+        cid="a", pod="a", annotations=grant_annotations(grants[0]))]))
+    assert held(restarted) == {"a": (mig.key,)}
+    with pytest.raises(AllocationError, match=r"\(its part nvidia\.com/mig=MIG-"):
+        restarted.plan(asks("nvidia.com/gpu=7", "b"))
 
 
 def test_holdings_learn_parts_per_inventory_and_keep_grants_by_key() -> None:
