@@ -32,7 +32,7 @@ from msgspec import structs
 
 from nri_accel.inventory import Device, Inventory
 from nri_accel.log import get_logger
-from nri_accel.vendors import PROFILES, family_of
+from nri_accel.vendors import PROFILES, family_of, parent_of
 
 if TYPE_CHECKING:
     from nri_accel.config import Config
@@ -97,9 +97,8 @@ def carry_vanished(old: Inventory, new: Inventory) -> Inventory:
     gone is listed unhealthy by its discovery, one whose description is gone was
     removed on purpose."""
     have = {d.key for d in new.devices}
-    present = {(family_of(d.kind).name, d.name) for d in new.devices}
     gone = [d for d in old.devices if d.key not in have and _found_by_its_family(d)
-            and not (d.parent and (family_of(d.kind).name, d.parent) in present)]
+            and not _whole_still_there(d, old, have)]
     if not gone:
         return new
     for d in gone:
@@ -115,6 +114,14 @@ def carry_vanished(old: Inventory, new: Inventory) -> Inventory:
         aliases=tuple(a for a in d.aliases if (d.kind, a.lower()) not in taken))
         for d in gone)
     return dataclasses.replace(new, devices=new.devices + carried)
+
+
+def _whole_still_there(device: Device, old: Inventory, have: set[str]) -> bool:
+    """Whether `device` is a part whose whole, as `old` knew it (its parent's name is
+    an index: the device that has it in the new inventory may be another), is among
+    the keys `have`."""
+    whole = parent_of(device, old) if device.parent else None
+    return whole is not None and whole.key in have
 
 
 def _found_by_its_family(device: Device) -> bool:

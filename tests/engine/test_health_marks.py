@@ -142,6 +142,24 @@ def test_mig_devices_removed_by_a_reconfiguration_of_a_present_gpu_are_not_carri
     assert new.of_kind(KIND_MIG) == ()
 
 
+def test_mig_devices_of_a_vanished_gpu_are_carried_though_another_gpu_has_its_index_now():
+    # GPU 7 (in MIG mode) fell off the bus; the driver renumbered GPU 6 as 7. A MIG
+    # device's parent is an index: "7" is another GPU now, not the whole it was part of.
+    old = demo_inventory()
+    g6, g7 = old.find(KIND_GPU, "6"), old.find(KIND_GPU, "7")
+    migs = old.of_kind(KIND_MIG)
+    assert migs and {m.parent for m in migs} == {"7"}
+    rest = without(old, "nvidia.com/gpu=6", "nvidia.com/gpu=7",
+                   *(m.qualified_name for m in migs))
+    shifted = dataclasses.replace(rest, devices=(
+        *rest.devices, msgspec.structs.replace(g6, name="7", aliases=(g6.pci_bus_id,))))
+    new = carry_vanished(old, shifted)
+    carried = {d.key: d for d in new.of_kind(KIND_MIG)}
+    assert set(carried) == {m.key for m in migs}
+    assert not any(d.healthy for d in carried.values())
+    assert new.find(KIND_GPU, g7.uuid) is not None
+
+
 def test_devices_a_cdi_spec_described_are_not_carried_when_the_spec_drops_them():
     old = cdi_inventory()
     new = carry_vanished(old, without(old, "acme.example/npu=npu1"))
