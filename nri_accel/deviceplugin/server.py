@@ -42,14 +42,16 @@ one resource's devices, which `run` then reads as a narrowing.
 
 Fails closed: `run` records its registration with the runtime in
 `<state dir>/nri-plugin.json` (nri_accel.state.NriStatus, written every 2 s). It is
-read every poll interval (1 s) and at each Allocate and PreStartContainer, on the event
-loop: NriStatus.load never blocks (non-blocking open, regular files only, at most 64
-KiB) and never raises. While it is absent, malformed (anything `run` cannot have
-written, named in the reason), stale (10 s), from the future or not registered:
+read every poll interval (1 s) and at each GetPreferredAllocation, Allocate and
+PreStartContainer, on the event loop: NriStatus.load never blocks (non-blocking open,
+regular files only, at most 64 KiB) and never raises. While it is absent, malformed
+(anything `run` cannot have written, named in the reason), stale (10 s), from the future
+or not registered:
 - ListAndWatch reports every device Unhealthy, so kubelet admits no new pod asking for
   one (a pod already admitted keeps its devices: kubelet does not re-Allocate);
 - Allocate fails with FAILED_PRECONDITION and the reason (kubelet fails the pod's
-  admission: UnexpectedAdmissionError);
+  admission: UnexpectedAdmissionError); so does GetPreferredAllocation, which kubelet
+  asks just before;
 - PreStartContainer fails the same way. The plugin registers with pre_start_required,
   so kubelet calls it for every container start, after pulling the image and right
   before the runtime's CreateContainer (kubelet's GetDeviceRunContainerOptions); a
@@ -218,6 +220,10 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
         creqs = request.container_requests
         _check_size("get_preferred_allocation_refused", resource, len(creqs), (
             max(len(c.available_deviceIDs), len(c.must_include_deviceIDs)) for c in creqs))
+        # kubelet's Allocate would be refused: its preference is refused first, for the
+        # same reason (kubelet fails the pod's admission with either message)
+        self._require_nri("get_preferred_allocation_refused", resource.name,
+                          [shown_ids(c.must_include_deviceIDs) for c in creqs])
         out = pb2.PreferredAllocationResponse()
         for creq in creqs:
             ids = preferred_allocation(resource, creq.available_deviceIDs,

@@ -164,16 +164,19 @@ def test_metrics_and_probes_of_the_device_plugin(kubelet: FakeKubelet, nri_side:
         assert wait_for(address, "/readyz", 200).text == "ready\n"  # registered with kubelet
         gpu = kubelet.wait_registered("nvidia.com/gpu")
         channel, stub = kubelet.client(gpu.request.endpoint)
+        preference = pb2.PreferredAllocationRequest(container_requests=[
+            pb2.ContainerPreferredAllocationRequest(available_deviceIDs=[GPU0],
+                                                    allocation_size=1)])
         with channel:
+            stub.GetPreferredAllocation(preference, timeout=WAIT)
             stub.Allocate(pb2.AllocateRequest(container_requests=[
                 pb2.ContainerAllocateRequest(devices_ids=[GPU0])]), timeout=WAIT)
-            nri_side.remove()  # `run` gone: the next Allocate is refused
+            nri_side.remove()  # `run` gone: the next Allocate is refused, and its preference
             with pytest.raises(grpc.RpcError):
                 stub.Allocate(pb2.AllocateRequest(container_requests=[
                     pb2.ContainerAllocateRequest(devices_ids=[GPU0])]), timeout=WAIT)
-            stub.GetPreferredAllocation(pb2.PreferredAllocationRequest(container_requests=[
-                pb2.ContainerPreferredAllocationRequest(available_deviceIDs=[GPU0],
-                                                        allocation_size=1)]), timeout=WAIT)
+            with pytest.raises(grpc.RpcError):
+                stub.GetPreferredAllocation(preference, timeout=WAIT)
         deadline = time.monotonic() + WAIT  # the gauges follow at the next sample
         while (samples := scrape(address)).value("nri_accel_nri_plugin_registered") != 0:
             assert time.monotonic() < deadline, "nri_accel_nri_plugin_registered stays 1"
@@ -184,7 +187,8 @@ def test_metrics_and_probes_of_the_device_plugin(kubelet: FakeKubelet, nri_side:
 
         assert (requests("allocate", "ok"), requests("allocate", "refused"),
                 requests("allocate", "error")) == (1, 1, 0)
-        assert requests("get_preferred_allocation", "ok") == 1
+        assert (requests("get_preferred_allocation", "ok"),
+                requests("get_preferred_allocation", "refused")) == (1, 1)
         assert requests("pre_start_container", "ok") == 0  # exported from the start
         assert samples.value("nri_accel_request_duration_seconds_count", event="allocate") == 2
         assert samples.labelled("nri_accel_kubelet_registered") == {

@@ -23,6 +23,7 @@ from .conftest import (
     health,
     node_inventory,
     pre_start,
+    preferred,
     refused,
 )
 
@@ -59,6 +60,9 @@ def test_without_a_registered_nri_side_devices_are_unhealthy_and_allocate_refuse
     error = refused(lambda: pre_start(kubelet, mig.request.endpoint, [MIG_A]))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert reason in error.details()
+    error = refused(lambda: preferred(kubelet, gpu.request.endpoint, [GPU0, GPU2], 1))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason in error.details()
 
     nri_side.register()  # `run` registers with the runtime (no list was Healthy before)
     assert health(kubelet.wait_list(gpu, gpu0_healthy, "GPU 0 Healthy again")) == HEALTHY_AGAIN
@@ -68,6 +72,7 @@ def test_without_a_registered_nri_side_devices_are_unhealthy_and_allocate_refuse
     assert dict(c.annotations) == {
         "devices.nri-accel.io/resource.nvidia.com_gpu": f"nvidia.com/gpu={GPU0}"}
     assert pre_start(kubelet, mig.request.endpoint, [MIG_A]) == pb2.PreStartContainerResponse()
+    assert preferred(kubelet, gpu.request.endpoint, [GPU0, GPU2], 1) == [GPU0]
 
 
 @pytest.mark.parametrize("state", ["stale", "unregister", "remove"])
