@@ -127,10 +127,12 @@ precedence list used). A device plugin writes one per resource, DRA and CDI-awar
 device plugins one per claim: a container has a few."""
 MAX_REQUEST_IDS = 2 * MAX_IDS
 """Device ids that one container's annotations and env name in all (a count or "all"
-counts one). One source may name MAX_IDS; the most a real container names is a grant
-of that many written out id by id, and a variable naming them again to narrow it.
-Counted as the sources are parsed, one after the other: at most this plus one
-source's MAX_IDS ids are parsed, resolved and checked (about 2 ms)."""
+counts one, repeats and each id of a range count). One source may name MAX_IDS; the
+most a real container names is a grant of that many written out id by id, and a
+variable naming them again to narrow it. Counted as the sources are parsed, one after
+the other: an annotation's tokens before it is parsed (_tokens), its ids after (a range
+is one token), so at most this plus one source's MAX_IDS ids are parsed, resolved and
+checked (about 2 ms)."""
 MAX_ENV_ENTRIES = 256
 """Env entries of the variables nri-accel looks at (ENV_PREFIXES, and those the edits
 rewrite: nri_accel.engine.ENV_SCOPE) that one container may carry, each definition of a
@@ -141,6 +143,8 @@ _DEFAULT_SETTINGS = {p.name: p.settings(NO_ASK, None) for p in PROFILES}
 _COUNT_RE = re.compile(r"[0-9]{1,6}")
 _MAX_YAML_COLLECTIONS = 64  # '[' and '{' in the injector's YAML list (it needs one at most)
 _ENTRY_SPLIT_RE = re.compile(r"[;\n]")
+_TOKEN_SEPARATORS = (",", ";", "\n")
+_TOKEN_ENDS = " ,;\n"
 
 
 class Origin(enum.Enum):
@@ -269,12 +273,14 @@ def parse(info: ContainerInfo) -> Parsed:
     ids = sum(map(_id_count, env.sources))
     sources = []
     for p in pending:  # parsed one after the other: the count stops the work
+        tokens = _tokens(p.value)  # each names an id at least: counted before the parse
+        if ids + tokens > MAX_REQUEST_IDS:
+            check_text(p.value, p.name, newlines=True)  # a value too long says so first
+            raise _too_many_ids(p.name)
         claims = p.parser(p.value, p.name)
-        ids += _id_count(claims)
+        ids += max(tokens, _id_count(claims))  # more where a range names many
         if ids > MAX_REQUEST_IDS:
-            raise RequestError(f"this container's annotations and env name more than "
-                               f"{MAX_REQUEST_IDS} device ids in all (a count or 'all' "
-                               "counts one)", source=p.name)
+            raise _too_many_ids(p.name)
         sources.append(Source(p.origin, p.name, claims, p.value, also_on_pod=p.also_on_pod))
     sources += env.sources
     asks = dict(env.asks)
@@ -304,6 +310,22 @@ def _id_count(source: Source | tuple[DeviceClaim, ...]) -> int:
     """The device ids a source's claims name (a count or "all": one)."""
     claims = source.claims if isinstance(source, Source) else source
     return sum(len(c.ids) or 1 for c in claims)
+
+
+def _tokens(value: str) -> int:
+    """The tokens an annotation value writes: the pieces its separators (',', ';',
+    newline) delimit, blanks and separators at either end left out (a YAML list ends
+    with a newline). Counted in C (str.count), whatever the value. Each names at least
+    one device id in every grammar here (a range or "all" one token), except an empty
+    entry within (';;', a YAML comment line), which a real value does not hold."""
+    value = value.strip(_TOKEN_ENDS)
+    return sum(map(value.count, _TOKEN_SEPARATORS)) + 1 if value else 0
+
+
+def _too_many_ids(source: str) -> RequestError:
+    return RequestError(f"this container's annotations and env name more than "
+                        f"{MAX_REQUEST_IDS} device ids in all (a count or 'all' counts "
+                        "one, repeats and each id of a range count)", source=source)
 
 
 # ---- annotation sources ----------------------------------------------------------------
@@ -430,8 +452,9 @@ def _check_read_chars(read: Iterable[str]) -> None:
 def _read_env_part(env: tuple[str, ...]) -> _EnvPart:
     """_env_part(), memoised. OCI env semantics: the last definition of a name wins;
     entries without '=' are not variables. The variables some family reads are checked
-    for size and control characters (their names too) before any family sees them;
-    other variables (LD_PRELOAD, ...) are never looked at."""
+    for size and control characters, their names for unprintable characters and length
+    (syntax.bad_name), before any family sees them; other variables (LD_PRELOAD, ...)
+    are never looked at."""
     values: dict[str, str] = {}
     for kv in env:
         k, eq, v = kv.partition("=")
@@ -441,8 +464,9 @@ def _read_env_part(env: tuple[str, ...]) -> _EnvPart:
         return _NO_ENV
     for k, v in values.items():
         if bad_name(k):
-            raise RequestError("variable name with control characters or longer than "
-                               "the limit", source=named("env", k))
+            raise RequestError("variable name with unprintable characters (control, "
+                               "format or bidi) or longer than the limit",
+                               source=named("env", k))
         check_text(v, f"env {k}")
     sources: list[Source] = []
     asks = []

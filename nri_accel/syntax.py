@@ -12,8 +12,9 @@ these pieces, so a limit, a message or an escape rule is written once.
 
 Every value is text from whoever wrote the pod or image: each is at most MAX_VALUE_BYTES,
 control characters are refused (newline only where a grammar uses it as a separator),
-an id list names at most MAX_IDS devices, and every error names its source, a hostile
-key or variable name shown escaped and cut.
+an id list names at most MAX_IDS devices (repeats and each id of a range counted, so the
+work a value costs is bounded by the limit, not by its length), and every error names its
+source, a hostile key or variable name shown escaped and cut.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from nri_accel.inventory import DEVICE_NAME_RE, KIND_RE, vendor_of
 
 MAX_VALUE_BYTES = 4096
 MAX_IDS = 256
+TOO_MANY_IDS = (f"names more than {MAX_IDS} device ids, repeats and each id of a range "
+                "counted")
 MAX_NAME_CHARS = 253  # longest annotation key or variable name shown as it is in a source
 MAX_ID_CHARS = 128
 MAX_INDEX_DIGITS = 8  # no node numbers its accelerators past 99,999,999
@@ -65,16 +68,20 @@ def claim_order(c: DeviceClaim) -> tuple[str, str, tuple[str, ...]]:
 
 def named(what: str, name: str) -> str:
     """The source naming annotation key or variable `name` ("annotation cdi.k8s.io/x").
-    Sources are logged and sent back to the runtime: a name with control characters or
-    longer than MAX_NAME_CHARS is shown escaped and cut."""
-    if len(name) <= MAX_NAME_CHARS and not _CONTROL_RE.search(name):
+    Sources are logged and sent back to the runtime: a name longer than MAX_NAME_CHARS,
+    or with a character repr() escapes, is shown escaped and cut. Those are the
+    unprintable ones (str.isprintable): control characters, and also format characters
+    (bidi controls such as U+202E, which reorder the text around them; zero-width ones
+    such as U+200B and U+FEFF), line and paragraph separators (U+2028, U+2029) and
+    spaces other than " ", which would make a name read as another."""
+    if not bad_name(name):
         return f"{what} {name}"
     return f"{what} {name[:64]!r}..."
 
 
 def bad_name(name: str) -> bool:
     """A key or variable name that named() would have to escape or cut."""
-    return len(name) > MAX_NAME_CHARS or bool(_CONTROL_RE.search(name))
+    return len(name) > MAX_NAME_CHARS or not name.isprintable()
 
 
 def check_text(value: str, source: str, *, newlines: bool = False) -> None:
@@ -107,7 +114,10 @@ def check_id(ident: str, source: str, extra: re.Pattern[str] | None = None) -> s
 
 
 class ClaimSet:
-    """Accumulates one source's claims per kind and refuses conflicting forms."""
+    """Accumulates one source's claims per kind and refuses conflicting forms, and a
+    source naming more than MAX_IDS ids: every id named counts ("all" too), repeats and
+    each id of a range included, so that a value repeating ids or ranges costs no more
+    than one naming MAX_IDS different ones."""
 
     def __init__(self, source: str, *, cdi: bool = False) -> None:
         self.source = source
@@ -115,25 +125,21 @@ class ClaimSet:
         self.ids: dict[str, dict[str, None]] = {}
         self.counts: dict[str, int] = {}
         self.alls: set[str] = set()
-        self.n_ids = 0
+        self.n_named = 0
 
     def add_id(self, kind: str, ident: str) -> None:
+        """One id (checked by the caller), or "all"."""
+        self._name(1)
         if ident == "all":
             if self.ids.get(kind) or kind in self.counts:
                 self._conflict(kind)
             self.alls.add(kind)
-            return
-        if kind in self.alls or kind in self.counts:
-            self._conflict(kind)
-        ids = self.ids.setdefault(kind, {})
-        if ident not in ids:
-            self.n_ids += 1
-            if self.n_ids > MAX_IDS:
-                raise RequestError(f"more than {MAX_IDS} device ids", source=self.source)
-            ids[ident] = None
+        else:
+            self._ids_of(kind)[ident] = None  # a repeat keeps its first place
 
     def add_ids(self, kind: str, token: str, extra: re.Pattern[str] | None = None) -> None:
-        """An id, "all", or a range "first-last" of indices (at most MAX_IDS of them)."""
+        """An id, "all", or a range "first-last" of indices (at most MAX_IDS of them),
+        counted before it is expanded."""
         m = _RANGE_RE.fullmatch(token)
         if m is None:
             self.add_id(kind, token if token == "all" else check_id(token, self.source, extra))
@@ -146,8 +152,19 @@ class ClaimSet:
         if last - first >= MAX_IDS:
             raise RequestError(f"range {token!r} names more than {MAX_IDS} devices",
                                source=self.source)
-        for n in range(first, last + 1):
-            self.add_id(kind, str(n))
+        self._name(last - first + 1)
+        self._ids_of(kind).update(dict.fromkeys(map(str, range(first, last + 1))))
+
+    def _name(self, n: int) -> None:
+        """Count `n` more ids named; refuse the source past MAX_IDS."""
+        self.n_named += n
+        if self.n_named > MAX_IDS:
+            raise RequestError(TOO_MANY_IDS, source=self.source)
+
+    def _ids_of(self, kind: str) -> dict[str, None]:
+        if kind in self.alls or kind in self.counts:
+            self._conflict(kind)
+        return self.ids.setdefault(kind, {})
 
     def add_count(self, kind: str, count: int) -> None:
         if self.ids.get(kind) or kind in self.alls or self.counts.get(kind, count) != count:

@@ -105,7 +105,7 @@ from nri_accel.inventory import (
     format_pci_bus_id,
 )
 from nri_accel.log import get_logger
-from nri_accel.syntax import decimal_index
+from nri_accel.syntax import MAX_IDS, TOO_MANY_IDS, decimal_index
 from nri_accel.vendors.base import VisibleDevicesProfile
 
 if TYPE_CHECKING:
@@ -375,7 +375,9 @@ def parse_visible(value: str) -> str | tuple[str, ...] | None:
     None: no request ("", and "none"/"void" in any case). "all" (also "All", "ALL").
     Otherwise the GPUs in the order written, without repeats: indices canonical
     ("03" -> "3"), ranges "a-b" expanded, unique ids as "GPU-<16 hex digits>" (the form
-    of Device.uuid). ValueError on anything else, where upstream silently drops it.
+    of Device.uuid). ValueError on anything else, where upstream silently drops it, and
+    on a value naming more than MAX_IDS GPUs, repeats and each GPU of a range counted
+    (a range before it is expanded), as every id list is bounded (nri_accel.syntax).
     """
     if value == "" or value.lower() in ("none", "void"):
         return None
@@ -384,13 +386,18 @@ def parse_visible(value: str) -> str | tuple[str, ...] | None:
     if value.lower() == "all":
         raise ValueError(f"{value!r}: the toolkit reads only 'all', 'All' and 'ALL'")
     out: dict[str, None] = {}
+    named = 0
     for token in value.split(","):
-        for item in _token(token):
-            out.setdefault(item, None)
+        items = _token(token)
+        named += len(items)
+        if named > MAX_IDS:
+            raise ValueError(TOO_MANY_IDS)
+        out.update(dict.fromkeys(map(str, items)))  # a repeat keeps its first place
     return tuple(out)
 
 
-def _token(token: str) -> list[str]:
+def _token(token: str) -> list[str] | range:
+    """One token's GPUs: an id, or the indices of a range, not expanded yet."""
     if token == "":
         raise ValueError(f"empty element; expected {_GRAMMAR}")
     if token != token.strip():
@@ -418,7 +425,7 @@ def _token(token: str) -> list[str]:
                 raise ValueError(f"range {token!r} runs backwards")
             if b - a >= MAX_RANGE:
                 raise ValueError(f"range {token!r} selects more than {MAX_RANGE} GPUs")
-            return [str(i) for i in range(a, b + 1)]
+            return range(a, b + 1)
         return [decimal_index(token, "GPU")]
     except ValueError as e:
         raise ValueError(f"{e}; expected {_GRAMMAR}") from None

@@ -15,6 +15,7 @@ from request_testing import KUBERNETES, STANDALONE, info
 
 from nri_accel import policy as policy_module
 from nri_accel import request as request_module
+from nri_accel import syntax as syntax_module
 from nri_accel.errors import PolicyError, RequestError
 from nri_accel.request import (
     MAX_ANNOTATION_KEYS,
@@ -23,21 +24,24 @@ from nri_accel.request import (
     MAX_SOURCES,
     parse,
 )
-from nri_accel.syntax import MAX_IDS, MAX_NAME_CHARS
+from nri_accel.syntax import MAX_IDS, MAX_NAME_CHARS, TOO_MANY_IDS
+from nri_accel.vendors import amd
 
 GPU0 = "nvidia.com/gpu=0"
 
 
-def counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
-    """Wrap request.<name> (a per-key parser or check) so that its calls are recorded."""
+def counted(monkeypatch: pytest.MonkeyPatch, name: str,
+            module: Any = request_module) -> list[Any]:
+    """Wrap <module>.<name> (a per-key parser or check, request's by default) so that its
+    calls are recorded."""
     calls: list[Any] = []
-    real: Callable[..., Any] = getattr(request_module, name)
+    real: Callable[..., Any] = getattr(module, name)
 
     def wrapper(*args: Any) -> Any:
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(request_module, name, wrapper)
+    monkeypatch.setattr(module, name, wrapper)
     return calls
 
 
@@ -162,7 +166,8 @@ def test_ids_past_the_limit_stop_the_parse(monkeypatch: pytest.MonkeyPatch) -> N
         parse(info(ctr=ctr))
     assert err.value.source == "container annotation devices.nri-accel.io/resource.r02"
     assert f"more than {MAX_REQUEST_IDS} device ids in all" in err.value.message
-    assert len(parsed) == 3  # of 64: the one past the limit is the last parsed
+    # of 64: the third is refused before it is parsed (its one token is one id too many)
+    assert len(parsed) == 2
 
 
 def test_env_ids_count_with_the_annotations() -> None:
@@ -170,6 +175,108 @@ def test_env_ids_count_with_the_annotations() -> None:
         parse(info(ctr={"devices.nri-accel.io/resource.a": ids(0, MAX_IDS),
                         "devices.nri-accel.io/resource.b": ids(MAX_IDS, MAX_IDS - 1)},
                    env=["NVIDIA_VISIBLE_DEVICES=0,1"]))
+
+
+# ---- repeats and ranges ------------------------------------------------------------------
+# Every id a value names counts, repeats and each id of a range included: a value of 4 KiB
+# repeating ids or ranges costs no more than one naming MAX_IDS different ids.
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("devices.nri-accel.io/pod", "nvidia.com/gpu=" + ",".join(["0"] * 400)),
+    ("cdi.k8s.io/x", ",".join(["x.y/z=0"] * 400)),
+])
+def test_repeated_ids_stop_the_parse_past_max_ids(monkeypatch: pytest.MonkeyPatch,
+                                                  key: str, value: str) -> None:
+    # check_id, where the devices grammar (syntax) and the CDI one (request) call it
+    checked = [counted(monkeypatch, "check_id", m) for m in (syntax_module, request_module)]
+    with pytest.raises(RequestError) as err:
+        parse(info(pod={key: value}))
+    assert (err.value.source, err.value.message) == (f"annotation {key}", TOO_MANY_IDS)
+    assert sum(map(len, checked)) == MAX_IDS + 1  # of 400: the one past the limit is the last
+
+
+@pytest.mark.parametrize(("kwargs", "source"), [
+    ({"pod": {"devices.nri-accel.io/pod": "nvidia.com/gpu=0-199,0-99"}},
+     "annotation devices.nri-accel.io/pod"),
+    ({"pod": {"devices.nri-accel.io/pod": "nvidia.com/gpu=0-255,0"}},
+     "annotation devices.nri-accel.io/pod"),
+    ({"ctr": {"cdi.k8s.io/x": ",".join(["x.y/z=0"] * (MAX_IDS + 1))}},
+     "container annotation cdi.k8s.io/x"),
+    ({"env": ["AWS_NEURON_VISIBLE_DEVICES=0-199,0-99"]}, "env AWS_NEURON_VISIBLE_DEVICES"),
+    ({"env": ["AMD_VISIBLE_DEVICES=0-199,0-99"]}, "env AMD_VISIBLE_DEVICES"),
+    ({"env": ["AMD_VISIBLE_DEVICES=" + ",".join(["3"] * (MAX_IDS + 1))]},
+     "env AMD_VISIBLE_DEVICES"),
+    ({"env": ["NVIDIA_VISIBLE_DEVICES=" + ",".join(["0"] * (MAX_IDS + 1))]},
+     "env NVIDIA_VISIBLE_DEVICES"),
+])
+def test_repeats_and_ranges_count_against_max_ids(kwargs: dict[str, Any], source: str) -> None:
+    with pytest.raises(RequestError) as err:
+        parse(info(**kwargs))
+    assert (err.value.source, err.value.message) == (source, TOO_MANY_IDS)
+
+
+@pytest.mark.parametrize(("kwargs", "ids"), [
+    ({"pod": {"devices.nri-accel.io/pod": "nvidia.com/gpu=0-127,0-127"}},
+     tuple(map(str, range(128)))),
+    ({"env": ["AWS_NEURON_VISIBLE_DEVICES=0-254,0"]}, tuple(map(str, range(255)))),
+    ({"env": ["AMD_VISIBLE_DEVICES=1,0-254"]}, ("1", "0", *map(str, range(2, 255)))),
+])
+def test_max_ids_named_with_repeats_are_read(kwargs: dict[str, Any],
+                                             ids: tuple[str, ...]) -> None:
+    assert [c.ids for s in parse(info(**kwargs)).sources for c in s.claims] == [ids]
+
+
+class CountingPattern:
+    """A compiled pattern whose fullmatch() calls are counted."""
+
+    def __init__(self, pattern: Any) -> None:
+        self.pattern = pattern
+        self.calls = 0
+
+    def fullmatch(self, text: str) -> Any:
+        self.calls += 1
+        return self.pattern.fullmatch(text)
+
+
+def test_repeated_ranges_stop_the_parse_at_the_one_past_max_ids(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ranges = CountingPattern(syntax_module._RANGE_RE)
+    monkeypatch.setattr(syntax_module, "_RANGE_RE", ranges)
+    value = "aws.amazon.com/neuron=" + ",".join(["0-255"] * 400)
+    with pytest.raises(RequestError) as err:
+        parse(info(pod={"devices.nri-accel.io/pod": value}))
+    assert err.value.message == TOO_MANY_IDS
+    assert ranges.calls == 2  # of 400 ranges: the second goes over
+    tokens = counted(monkeypatch, "_token", amd)
+    with pytest.raises(RequestError) as err:
+        parse(info(env=["AMD_VISIBLE_DEVICES=" + ",".join(["0-1023"] * 500)]))
+    assert (err.value.source, err.value.message) == ("env AMD_VISIBLE_DEVICES", TOO_MANY_IDS)
+    assert len(tokens) == 1  # of 500: the first names 1024 GPUs
+
+
+def test_repeats_count_toward_the_request_limit_before_the_parse(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed = counted(monkeypatch, "_parse_cdi_value")
+    value = ",".join(["x.y/z=0"] * 200)  # 200 ids named, one id
+    ctr = {f"cdi.k8s.io/c{i}": value for i in range(3)}
+    with pytest.raises(RequestError) as err:
+        parse(info(ctr=ctr))
+    assert err.value.source == "container annotation cdi.k8s.io/c2"
+    assert err.value.message == (
+        f"this container's annotations and env name more than {MAX_REQUEST_IDS} device ids "
+        "in all (a count or 'all' counts one, repeats and each id of a range count)")
+    assert len(parsed) == 2  # the third, 600 ids in all, is refused before it is parsed
+
+
+def test_repeats_at_the_request_limit_are_read() -> None:
+    # A YAML list ends with a newline: its names are counted, not the empty line after.
+    parsed = parse(info(pod={"cdi-devices.noderesource.dev/pod": "- x.y/z=0\n" * MAX_IDS},
+                        ctr={"cdi.k8s.io/a": ",".join(["x.y/z=1"] * MAX_IDS)}))
+    assert [c.ids for s in parsed.sources for c in s.claims] == [("1",), ("0",)]
+    with pytest.raises(RequestError, match=f"more than {MAX_REQUEST_IDS} device ids"):
+        parse(info(pod={"cdi-devices.noderesource.dev/pod": "- x.y/z=0\n" * MAX_IDS},
+                   ctr={"cdi.k8s.io/a": ",".join(["x.y/z=1"] * MAX_IDS)},
+                   env=["NVIDIA_VISIBLE_DEVICES=0"]))
 
 
 # ---- env ---------------------------------------------------------------------------------

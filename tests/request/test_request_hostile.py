@@ -130,3 +130,39 @@ def test_yaml_tags_are_not_constructed() -> None:
 def test_overlong_id_rejected() -> None:
     with pytest.raises(RequestError, match="invalid device id"):
         parse(pod={POD: "nvidia.com/gpu=" + "a" * 129})
+
+
+# Characters a name is never shown with raw (in refusals, logs and the runtime's error):
+# bidi controls (they reorder what follows: "cdi.k8s.io/\u202egpj.x" reads as x.jpg),
+# zero-width and other format characters, line and paragraph separators.
+UNPRINTABLE = ["\u202e", "\u202a", "\u200e", "\u200f", "\u2066", "\u2069", "\u200b",
+               "\ufeff", "\u00ad", "\u2028", "\u2029"]
+
+
+@pytest.mark.parametrize("char", UNPRINTABLE)
+def test_keys_with_format_characters_are_shown_escaped(char: str) -> None:
+    key = f"cdi.k8s.io/a{char}b"
+    with pytest.raises(RequestError) as err:
+        parse(ctr={key: "not-a-cdi-name"})
+    assert err.value.source == f"container annotation {key!r}..."
+    assert char not in str(err.value)
+
+
+@pytest.mark.parametrize("char", UNPRINTABLE)
+def test_variable_names_with_format_characters_are_refused_escaped(char: str) -> None:
+    var = f"NVIDIA_REQUIRE_{char}X"
+    with pytest.raises(RequestError) as err:
+        parse(env=[f"{var}=cuda>=12", "NVIDIA_VISIBLE_DEVICES=all"])
+    assert err.value.source == f"env {var!r}..."
+    assert err.value.message == ("variable name with unprintable characters (control, "
+                                 "format or bidi) or longer than the limit")
+    assert char not in str(err.value)
+
+
+def test_format_characters_in_values_are_refused_by_the_grammar_not_as_control() -> None:
+    # check_text refuses control characters only: values are ids and names, which refuse
+    # the rest themselves (and quote it escaped).
+    with pytest.raises(RequestError) as err:
+        parse(pod={POD: "nvidia.com/gpu=0\u202e1"})
+    assert err.value.message == ("invalid device id '0\\u202e1': ids are names such as 0, "
+                                 "GPU-<uuid>, 0:1 or 0000:3b:00.0, never paths")

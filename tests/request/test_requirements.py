@@ -3,10 +3,18 @@ toolkit's cuda_image.go (legacy CUDA_VERSION, NVIDIA_DISABLE_REQUIRE, JETPACK sk
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
 import pytest
 from request_testing import nv, parse
 
 from nri_accel.errors import RequestError
+from nri_accel.inventory import Device, Driver, Inventory
+from nri_accel.select import DeviceIndex
+from nri_accel.vendors.nvidia import KIND_GPU, MAX_CONSTRAINTS, PROFILE, Options
+from nri_accel.vendors.nvidia import requirements as requirements_module
 from nri_accel.vendors.nvidia.requirements import (
     Constraint,
     Requirements,
@@ -268,3 +276,82 @@ def test_request_carries_requirements_and_names_the_variable() -> None:
     with pytest.raises(RequestError) as err:
         parse(env=["NVIDIA_REQUIRE_DRIVER=driver>=abc"])
     assert err.value.source == "env NVIDIA_REQUIRE_DRIVER"
+
+
+# ---- bounds: what one container's requirements may cost ---------------------------------
+
+def written(n: int, start: int = 0, sep: str = ",") -> str:
+    """`n` distinct constraints that every GPU of gpu_index() satisfies."""
+    return sep.join(f"cuda>=0.{i}" for i in range(start, start + n))
+
+
+def test_constraints_past_the_limit_are_refused_before_any_is_parsed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed: list[tuple[str, str]] = []
+    real = requirements_module.parse_requirement
+
+    def counting(source: str, text: str) -> Any:
+        parsed.append((source, text))
+        return real(source, text)
+
+    monkeypatch.setattr(requirements_module, "parse_requirement", counting)
+    over = [f"NVIDIA_REQUIRE_A={written(300, sep=' ')}",
+            f"NVIDIA_REQUIRE_B={written(MAX_CONSTRAINTS - 300 + 1, 300)}",
+            "NVIDIA_VISIBLE_DEVICES=all"]
+    with pytest.raises(RequestError) as err:
+        parse(env=over)
+    assert err.value.source == "env NVIDIA_REQUIRE_B"
+    assert err.value.message == (f"the NVIDIA_REQUIRE_* variables write more than "
+                                 f"{MAX_CONSTRAINTS} constraints in all (a CUDA image writes "
+                                 "about 100)")
+    assert parsed == []
+    # Disabled requirements are never parsed, so they cost nothing to bound.
+    assert nv(parse(env=[*over, "NVIDIA_DISABLE_REQUIRE=true"])).requirements is None
+
+
+def test_constraints_at_the_limit_are_read() -> None:
+    # Empty pieces are not constraints, nor is NVIDIA_REQUIRE_JETPACK* (never parsed).
+    reqs = nv(parse(env=[f"NVIDIA_REQUIRE_A= {written(300, sep='  ')} ,",
+                         f"NVIDIA_REQUIRE_B={written(MAX_CONSTRAINTS - 300, 300, ',,')}",
+                         "NVIDIA_REQUIRE_JETPACK=" + ",".join(["x"] * 600),
+                         "NVIDIA_VISIBLE_DEVICES=all"])).requirements
+    assert reqs is not None
+    assert sum(len(g) for r in reqs.items for g in r.alternatives) == MAX_CONSTRAINTS
+
+
+def gpu_index(archs: list[str]) -> DeviceIndex:
+    """A node of len(archs) GPUs of those compute capabilities, a CUDA 12.4 driver."""
+    return DeviceIndex(Inventory(
+        devices=tuple(Device(kind=KIND_GPU, name=str(i), uuid=f"GPU-{i:08d}", vendor="nvidia",
+                             attributes=MappingProxyType({"compute_capability": arch,
+                                                          "brand": "tesla"}))
+                      for i, arch in enumerate(archs)),
+        drivers=MappingProxyType({"nvidia": Driver("nvidia", "550.54.15", "12.4")})))
+
+
+def test_requirements_are_evaluated_once_per_set_of_gpu_facts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    evaluated: list[dict[str, str]] = []
+    real = Requirements.unsatisfied
+
+    def counting(self: Requirements, facts: Mapping[str, str]) -> tuple[str, str] | None:
+        evaluated.append(dict(facts))
+        return real(self, facts)
+
+    monkeypatch.setattr(Requirements, "unsatisfied", counting)
+    index = gpu_index(["8.0"] * 48 + ["9.0"] * 16)
+    gpus = index.inventory.of_kind(KIND_GPU)
+    reqs = requirements_from_env({"NVIDIA_REQUIRE_CUDA": CUDA_12_4,
+                                  "NVIDIA_REQUIRE_B": written(MAX_CONSTRAINTS - 10)})
+    PROFILE.check(gpus, gpus, Options(requirements=reqs), index)
+    assert [f["arch"] for f in evaluated] == ["8.0", "9.0"]  # of 64 GPUs
+    PROFILE.check(gpus[40:56], gpus[40:56], Options(requirements=reqs), index)
+    assert len(evaluated) == 2  # other GPUs, the same facts: nothing evaluated again
+    # A failure still names the first GPU of the grant that fails, and its facts.
+    arch = requirements_from_env({"NVIDIA_REQUIRE_ARCH": "arch>=9.0"})
+    with pytest.raises(RequestError) as err:
+        PROFILE.check(gpus[::-1], gpus, Options(requirements=arch), index)
+    assert err.value.source == "env NVIDIA_REQUIRE_ARCH"
+    assert err.value.message == ("nvidia.com/gpu=47: unsatisfied condition: arch>=9.0 "
+                                 "(this GPU has arch=8.0)")
+    assert [f["arch"] for f in evaluated[2:]] == ["9.0", "8.0"]

@@ -93,8 +93,10 @@ from nri_accel.vendors.base import (
 from nri_accel.vendors.nvidia.requirements import (
     CUDA_VERSION,
     DISABLE_REQUIRE,
+    REQUIRE_JETPACK,
     REQUIRE_PREFIX,
     Requirements,
+    disabled,
     legacy_cuda_image,
     requirements_from_env,
 )
@@ -139,6 +141,13 @@ _UUID = r"[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f
 _JIT_UUID_RE = re.compile(rf"GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]+/[0-9]+")
 _JIT_INDEX_RE = re.compile(r"([0-9]{1,10})(?::([0-9]{1,10}))?")
 _MAX_LISTED = 16
+MAX_CONSTRAINTS = 512
+"""Constraints that one container's NVIDIA_REQUIRE_* variables may write in all. A CUDA
+12 image's NVIDIA_REQUIRE_CUDA writes 91 to 124 (cuda>=12.x, and 30 to 41 alternatives
+of a brand and a driver branch); the 16 KiB of env nri-accel reads could write over
+2,000, each parsed and evaluated (once per set of GPU facts) on the event loop: about
+4 ms for each of the two. Counted before any is parsed (_requirements); at the limit,
+the parse and an evaluation cost about 1 ms each."""
 
 
 def mig_enabled(device: Device) -> bool:
@@ -202,7 +211,7 @@ class NvidiaProfile(Profile):
         caps = env.get(ENV_CAPABILITIES)
         options = EnvOptions(
             capabilities=None if caps is None else (f"env {ENV_CAPABILITIES}", caps),
-            requirements=requirements_from_env(env),
+            requirements=_requirements(env),
             legacy=legacy_cuda_image(env),
             mig_config=_mig_caps(env, ENV_MIG_CONFIG),
             mig_monitor=_mig_caps(env, ENV_MIG_MONITOR),
@@ -499,6 +508,25 @@ def parse_capabilities(value: str, source: str) -> tuple[frozenset[str], str]:
     return (ALL_CAPABILITIES if "all" in names else frozenset(names)), source
 
 
+def _requirements(env: Mapping[str, str]) -> Requirements | None:
+    """requirements_from_env(), refused before any constraint is parsed when the
+    variables it reads (NVIDIA_REQUIRE_*, not NVIDIA_REQUIRE_JETPACK*, in name order)
+    write more than MAX_CONSTRAINTS: RequestError naming the variable that goes over.
+    A constraint is a piece between commas and blanks, empty ones not counted (as
+    parse_requirement skips them)."""
+    if not disabled(env):
+        written = 0
+        for name in sorted(n for n in env if n.startswith(REQUIRE_PREFIX)
+                           and not n.startswith(REQUIRE_JETPACK)):
+            written += len(env[name].replace(",", " ").split())
+            if written > MAX_CONSTRAINTS:
+                raise RequestError(
+                    f"the NVIDIA_REQUIRE_* variables write more than {MAX_CONSTRAINTS} "
+                    "constraints in all (a CUDA image writes about 100)",
+                    source=f"env {name}")
+    return requirements_from_env(env)
+
+
 def _mig_caps(env: Mapping[str, str], var: str) -> bool:
     """NVIDIA_MIG_CONFIG_DEVICES / NVIDIA_MIG_MONITOR_DEVICES: "" asks nothing, "all" asks
     for the capability, other values are refused, as in nvidia-container-toolkit
@@ -530,7 +558,7 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
     (NVIDIA_VISIBLE_DEVICES=none) only the driver facts are checked. RequestError names
     the variable that fails."""
     if not devices:
-        failed = _unsatisfied(index, reqs, None)
+        failed = _unsatisfied(index, reqs, _facts(index, None))
         if failed is not None:
             raise RequestError(f"the driver: {failed[1]}", source=failed[0])
         return
@@ -543,7 +571,8 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
         failure = memo[key]
     except KeyError:
         failure = next(((d.qualified_name, *failed) for d in devices
-                        if (failed := _unsatisfied(index, reqs, d)) is not None), None)
+                        if (failed := _unsatisfied(index, reqs, _facts(index, d))) is not None),
+                       None)
         _remember(memo, key, failure)
     if failure is not None:
         name, source, why = failure
@@ -552,19 +581,22 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
 
 _MEMO_SIZE = 4096  # requirement checks remembered per inventory before starting over
 
+_Facts = tuple[tuple[str, str], ...]
 
-def _unsatisfied(index: Any, reqs: Requirements,
-                 device: Device | None) -> tuple[str, str] | None:
-    """reqs.unsatisfied() for `device`'s facts, remembered per (requirements, device) in
-    the inventory's index: images repeat the same requirements and the facts do not
-    change."""
+
+def _unsatisfied(index: Any, reqs: Requirements, facts: _Facts) -> tuple[str, str] | None:
+    """reqs.unsatisfied(facts), remembered per (requirements, facts) in the inventory's
+    index (beside _check_requirements' grants, keyed by device identities): images repeat
+    the same requirements, and a node's GPUs share a few sets of facts (one, where they
+    are all of one model), so a grant of hundreds of GPUs costs one evaluation per set,
+    not one per GPU."""
     memo: dict[Any, tuple[str, str] | None] = index.memo(VENDOR)
-    key = (reqs, -1 if device is None else index.position(device))
+    key = (reqs, facts)
     try:
         return memo[key]
     except KeyError:
         pass
-    result = reqs.unsatisfied(_facts(index, device))
+    result = reqs.unsatisfied(dict(facts))
     _remember(memo, key, result)
     return result
 
@@ -575,14 +607,16 @@ def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
     memo[key] = value
 
 
-def _facts(index: Any, device: Device | None) -> dict[str, str]:
-    """What NVIDIA_REQUIRE_* compares for `device` (None: the driver alone)."""
+def _facts(index: Any, device: Device | None) -> _Facts:
+    """What NVIDIA_REQUIRE_* compares for `device` (None: the driver alone), as
+    (fact, value) pairs: cuda, driver, and a device's arch and brand."""
     driver = index.inventory.driver(VENDOR)
-    facts = {"cuda": driver.cuda_version if driver else "",
-             "driver": driver.version if driver else ""}
-    if device is not None:
-        parent = index.inventory.find(KIND_GPU, device.parent) if device.parent else None
-        for key, attr in (("arch", "compute_capability"), ("brand", "brand")):
-            facts[key] = (device.attributes.get(attr)
-                          or (parent.attributes.get(attr, "") if parent else ""))
-    return facts
+    facts = (("cuda", driver.cuda_version if driver else ""),
+             ("driver", driver.version if driver else ""))
+    if device is None:
+        return facts
+    parent = index.inventory.find(KIND_GPU, device.parent) if device.parent else None
+    arch, brand = (device.attributes.get(attr)
+                   or (parent.attributes.get(attr, "") if parent else "")
+                   for attr in ("compute_capability", "brand"))
+    return (*facts, ("arch", arch), ("brand", brand))
