@@ -42,7 +42,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
 from types import MappingProxyType
 
-from msgspec import Struct
+from msgspec import Struct, structs
 
 from nri_accel.config import Config
 from nri_accel.container import ContainerInfo
@@ -58,7 +58,7 @@ from nri_accel.request import ENV_PREFIXES as REQUEST_ENV_PREFIXES
 from nri_accel.select import DeviceIndex, select
 from nri_accel.state import Grant, Holdings
 from nri_accel.syntax import MAX_NAME_CHARS
-from nri_accel.vendors import parent_of
+from nri_accel.vendors import family_of, parent_of
 
 log = get_logger(__name__)
 
@@ -248,7 +248,7 @@ class Engine:
 
     def load_checkpoint(self, grants: Iterable[Grant], known: bool) -> None:
         """Start from a checkpoint's grants (known=False: it could not be read)."""
-        grants = list(grants)
+        grants = [self._current(g) for g in grants]
         with self._lock:
             self.holdings.replace_all(grants, known=known)
         log.info("allocations_loaded", containers=len(grants), known=known,
@@ -265,8 +265,23 @@ class Engine:
                 with self._lock:
                     grant = self.holdings.get(info.container_id)
             if grant is not None:
-                grants.append(grant)
+                grants.append(self._current(grant))
         return grants
+
+    def _current(self, grant: Grant) -> Grant:
+        """`grant` with each key the inventory does not know read as its family says it
+        names a device now (Profile.current_key: a key from before that family's
+        devices had the keys they have now)."""
+        tables = self._tables
+        known = tables.index.by_key
+
+        def now(keys: frozenset[str]) -> frozenset[str]:
+            return frozenset(k if k in known else family_of(k.partition("=")[0]).current_key(
+                k, tables.inventory) for k in keys)
+
+        if all(k in known for k in grant.exclusive | grant.shared):
+            return grant
+        return structs.replace(grant, exclusive=now(grant.exclusive), shared=now(grant.shared))
 
     def restore_grants(self, grants: list[Grant]) -> None:
         """Make `grants` (grants_in() of every running container) the allocation

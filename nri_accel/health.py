@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from msgspec import structs
 
-from nri_accel.inventory import Device, Inventory
+from nri_accel.inventory import VANISHED, Device, Inventory
 from nri_accel.log import get_logger
 from nri_accel.vendors import PROFILES, family_of, parent_of
 
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
     from nri_accel.vendors.base import HealthWatch
 
 log = get_logger(__name__)
-
-VANISHED = "not found by the last discovery"
 
 OnFamilyHealth = Callable[[str, Mapping[str, str]], None]  # family, Device.key -> reason
 

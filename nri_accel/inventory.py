@@ -100,6 +100,10 @@ _PCI_BUS_ID_RE = re.compile(
 PARTITION_SEPARATOR = "-p"
 MAX_PARTITION = 255  # amdgpu has at most 8 (MAX_XCP); more is not a partition index
 
+# The "health" attribute of a device the last discovery did not find, kept Unhealthy
+# (nri_accel.health.carry_vanished): it is not on the node.
+VANISHED = "not found by the last discovery"
+
 
 def parse_pci_bus_id(text: str) -> tuple[int, int, int, int] | None:
     """A PCI bus id as numbers (domain, bus, device, function); None when `text` is not

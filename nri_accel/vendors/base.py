@@ -300,6 +300,15 @@ class Profile:
     def partition(self, device: Device, inventory: Any) -> str:
         return ""
 
+    # ---- grants ---------------------------------------------------------------------
+
+    def current_key(self, key: str, inventory: Any) -> str:
+        """The key that names now the device a grant (an annotation, a checkpoint)
+        recorded as `key`, a key of one of the family's kinds that `inventory` does not
+        know: where the family once keyed devices otherwise, the device's key now;
+        else `key` (a device that vanished)."""
+        return key
+
 
 class VisibleDevicesProfile(Profile):
     """The usual shape of a family asked for through one visibility variable

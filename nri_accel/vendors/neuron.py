@@ -13,7 +13,11 @@ NVIDIA_VISIBLE_DEVICES, "all" wins over ids listed beside it.
 NeuronCores: each core is a device of its own, kind "aws.amazon.com/neuroncore", named by
 its number in the runtime's node-wide numbering (device i's cores follow those of
 devices 0..i-1, as NEURON_RT_VISIBLE_CORES counts them), with parent = its device's
-name and that device's /dev/neuronN as its node: the device plugin advertises them as
+name and that device's /dev/neuronN as its node. That number shifts when an earlier
+device does not come up: a core is identified (Device.uuid, so its key and kubelet ID)
+by its device's index and its own within it, "neuron2-core0" (core_id); a grant
+recorded by number (before cores had ids) is read as the core of that number now
+(NeuronProfile.current_key). The device plugin advertises them as
 aws.amazon.com/neuroncore beside aws.amazon.com/neuron, as the AWS Neuron device plugin
 does, and they are granted like any device (`aws.amazon.com/neuroncore=4-5`). A core is
 a part of its device (nri_accel.vendors.base): a whole device and one of its cores are
@@ -58,14 +62,14 @@ through the HostRoot:
 Each device becomes Device(kind "aws.amazon.com/neuron", name "N", alias "neuronN",
 links = connected devices found on this node, attributes cores/arch/name/instance_type,
 vendor "neuron") with its /dev/neuronN node as edits, and each of its cores
-Device(kind "aws.amazon.com/neuroncore", name = the core's node-wide number, parent "N",
-attribute core = its index within the device, the same node, and
-NEURON_RT_VISIBLE_CORES = its number as its own env: what `cdi generate` writes for it,
-so that a CDI request for one core shows the runtime that core only; a grant through
-nri-accel sets the variable to every granted core instead (the family's env wins over
-devices' own). PCI bus id and NUMA node are left
-empty: the driver's class devices have no PCI parent and it numbers devices itself, so
-sysfs gives no reliable index-to-PCI mapping. The Neuron environment of a container
+Device(kind "aws.amazon.com/neuroncore", name = the core's node-wide number, uuid
+"neuronN-coreJ", parent "N", attribute core = its index J within the device, the same
+node, and NEURON_RT_VISIBLE_CORES = its number as its own env: what `cdi generate`
+writes for it, so that a CDI request for one core shows the runtime that core only; a
+grant through nri-accel sets the variable to every granted core instead (the family's
+env wins over devices' own). PCI bus id and NUMA node are left empty: the driver's
+class devices have no PCI parent and it numbers devices itself, so sysfs gives no
+reliable index-to-PCI mapping. The Neuron environment of a container
 (AWS_NEURON_VISIBLE_DEVICES, core visibility) is written by the edits stage, not here.
 """
 
@@ -82,6 +86,7 @@ from nri_accel.discover.hostroot import HostRoot
 from nri_accel.discover.probe import State, entries, file_state
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import (
+    VANISHED,
     ContainerEdits,
     Device,
     DeviceNode,
@@ -148,16 +153,30 @@ class NeuronProfile(Profile):
 
     def tables(self, inventory: Inventory) -> Mapping[str, tuple[int, int]]:
         """Qualified name -> (first NeuronCore, cores) in the runtime's node-wide
-        numbering; stops at the first device whose core count is unknown."""
+        numbering, as discovery numbers the cores (_cores): over the devices on the
+        node (not one kept Unhealthy since it vanished: the runtime counts the cores
+        of the devices present), up to the first whose core count is unknown."""
         cores: dict[str, tuple[int, int]] = {}
         first = 0
         for d in inventory.of_kind(KIND):
+            if d.attributes.get("health") == VANISHED:
+                continue
             n = kernel.parse_uint(d.attributes.get("cores", ""), maximum=MAX_CORES)
             if n is None:
                 break  # numbering unknown from here on
             cores[d.qualified_name] = (first, n)
             first += n
         return MappingProxyType(cores)
+
+    def current_key(self, key: str, inventory: Inventory) -> str:
+        """A core's key from before cores had ids of their own ("...neuroncore=4", its
+        node-wide number) is the key of the core that has that number now: the same
+        core, unless a Neuron device vanished since it was granted."""
+        kind, _, ident = key.partition("=")
+        if kind != KIND_CORE or not ident.isdecimal():
+            return key
+        core = inventory.find(KIND_CORE, ident)
+        return key if core is None else core.key
 
     def edits(self, devices: Sequence[Device], options: Any, drivers_only: bool,
               files: DriverFiles) -> FamilyEdits:
@@ -263,6 +282,12 @@ def discover_neuron(root: HostRoot) -> Found:
     return Found(devices=devices, drivers=(driver,), problems=tuple(problems))
 
 
+def core_id(device: str, core: int) -> str:
+    """What names NeuronCore `core` of Neuron device `device` (its index) whatever the
+    node-wide numbering: "neuron2-core0" (its Device.uuid, so its key and kubelet ID)."""
+    return f"neuron{device}-core{core}"
+
+
 def _cores(devices: Sequence[Device]) -> tuple[Device, ...]:
     """The NeuronCores of `devices` (in index order), numbered node-wide; none from the
     first device whose core count is unknown."""
@@ -273,7 +298,8 @@ def _cores(devices: Sequence[Device]) -> tuple[Device, ...]:
         if count is None:
             break
         n = str(count)
-        out.extend(Device(kind=KIND_CORE, name=str(first + j), parent=d.name,
+        out.extend(Device(kind=KIND_CORE, name=str(first + j), uuid=core_id(d.name, j),
+                          parent=d.name,
                           edits=ContainerEdits(env=(f"{ENV_CORES}={first + j}",),
                                                device_nodes=d.edits.device_nodes),
                           attributes=MappingProxyType({"core": str(j)}), vendor=VENDOR)

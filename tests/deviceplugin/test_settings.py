@@ -17,6 +17,7 @@ from nri_accel.discover import discover
 from nri_accel.engine import Engine
 from nri_accel.errors import AllocationError
 from nri_accel.inventory import Device, Inventory
+from nri_accel.vendors.neuron import core_id
 
 from .conftest import (
     GPU0,
@@ -183,11 +184,16 @@ def test_neuroncores_are_allocated_one_kubelet_device_each(kubelet, plugins, trn
     devices = kubelet.wait_registered("aws.amazon.com/neuron")
     cores = kubelet.wait_registered("aws.amazon.com/neuroncore")
     assert ids(kubelet.wait_list(devices)) == [str(i) for i in range(16)]
-    assert ids(kubelet.wait_list(cores)) == [str(i) for i in range(32)]
+    # A core's kubelet ID is its device's index and its own within it (core_id), which
+    # no renumbering of the node-wide core numbers shifts.
+    assert ids(kubelet.wait_list(cores)) == [core_id(str(i), j) for i in range(16)
+                                             for j in range(2)]
 
-    (c1,) = allocate(kubelet, cores.request.endpoint, ["5", "4"]).container_responses
+    (c1,) = allocate(kubelet, cores.request.endpoint,
+                     ["neuron2-core1", "neuron2-core0"]).container_responses
     assert dict(c1.annotations) == {"devices.nri-accel.io/resource.aws.amazon.com_neuroncore":
-                                    "aws.amazon.com/neuroncore=4,aws.amazon.com/neuroncore=5"}
+                                    "aws.amazon.com/neuroncore=neuron2-core0,"
+                                    "aws.amazon.com/neuroncore=neuron2-core1"}
     run = engine(trn1)
     plan = admit(run, created(c1, "c1", pod="p1"))
     # Exactly those cores, node-wide numbering, and the node of their device (neuron2).
@@ -196,12 +202,13 @@ def test_neuroncores_are_allocated_one_kubelet_device_each(kubelet, plugins, trn
 
     # Cores of two devices, then the other core of one of them: parts of one device may
     # go to different containers.
-    (c2,) = allocate(kubelet, cores.request.endpoint, ["6", "9"]).container_responses
+    (c2,) = allocate(kubelet, cores.request.endpoint,
+                     ["neuron3-core0", "neuron4-core1"]).container_responses
     plan = admit(run, created(c2, "c2", pod="p2"))
     assert [n.path for n in plan.edits.device_nodes] == ["/dev/neuron3", "/dev/neuron4"]
     assert env_of(plan) == {"AWS_NEURON_VISIBLE_DEVICES": "3,4",
                             "NEURON_RT_VISIBLE_CORES": "6,9"}
-    (c3,) = allocate(kubelet, cores.request.endpoint, ["7"]).container_responses
+    (c3,) = allocate(kubelet, cores.request.endpoint, ["neuron3-core1"]).container_responses
     assert env_of(admit(run, created(c3, "c3", pod="p3")))["NEURON_RT_VISIBLE_CORES"] == "7"
 
 
@@ -210,20 +217,20 @@ def test_a_whole_device_and_its_cores_never_go_to_different_containers(
     plugins(trn1, config=Config())
     devices = kubelet.wait_registered("aws.amazon.com/neuron")
     cores = kubelet.wait_registered("aws.amazon.com/neuroncore")
-    (core,) = allocate(kubelet, cores.request.endpoint, ["4"]).container_responses
+    (core,) = allocate(kubelet, cores.request.endpoint, ["neuron2-core0"]).container_responses
     (whole,) = allocate(kubelet, devices.request.endpoint, ["2"]).container_responses
     run = engine(trn1)
     admit(run, created(core, "c1", pod="p1"))
     with pytest.raises(AllocationError) as e:
         admit(run, created(whole, "c2", pod="p2"))
-    assert ("aws.amazon.com/neuron=2 (its part aws.amazon.com/neuroncore=4) is held by "
-            "default/p1/c-c1") in str(e.value)
+    assert ("aws.amazon.com/neuron=2 (its part aws.amazon.com/neuroncore=neuron2-core0) is "
+            "held by default/p1/c-c1") in str(e.value)
     run.release("c1")
     assert admit(run, created(whole, "c2", pod="p2")).qualified_names == (
         "aws.amazon.com/neuron=2",)
     # and the other way round: a core of a device another container holds whole
-    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuroncore=4 \(its device "
-                                              r"aws\.amazon\.com/neuron=2\) is held"):
+    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuroncore=neuron2-core0 "
+                                              r"\(its device aws\.amazon\.com/neuron=2\) is held"):
         admit(run, created(core, "c3", pod="p3"))
 
 

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import Any
 
+import pytest
+from engine.engine_testing import admit, container
 from fakes.roots import materialise
 from hosttree import HostTree
 
+from nri_accel.config import Config, PolicyConfig
 from nri_accel.discover.base import Found
-from nri_accel.inventory import Device, DeviceNode
+from nri_accel.discover.hostroot import HostRoot
+from nri_accel.engine import Engine
+from nri_accel.errors import AllocationError
+from nri_accel.health import carry_vanished
+from nri_accel.inventory import Device, DeviceNode, Inventory
+from nri_accel.state import Grant
 from nri_accel.vendors.neuron import KIND as KIND_NEURON
 from nri_accel.vendors.neuron import KIND_CORE, discover_neuron
 
@@ -22,6 +32,20 @@ def whole(found: Found) -> list[Device]:
 
 def cores(found: Found) -> list[Device]:
     return [d for d in found.devices if d.kind == KIND_CORE]
+
+
+def discover_inventory(root: HostRoot) -> Inventory:
+    found = discover_neuron(root)
+    return Inventory(devices=found.devices,
+                     drivers={d.vendor: d for d in found.drivers})
+
+
+def env_of(plan: Any) -> dict[str, str]:
+    return dict(kv.partition("=")[::2] for kv in plan.edits.env)
+
+
+def core_request(value: str, cid: str) -> Any:
+    return container(pod_annotations={"devices.nri-accel.io": value}, cid=cid, pod=cid)
 
 
 def _neuron_node(tree: HostTree, i: int, *, cores: str = "2", links: str = "") -> None:
@@ -68,6 +92,8 @@ def test_each_neuroncore_is_a_part_of_its_device_numbered_node_wide(tmp_path: Pa
     assert (c11.kind, c11.parent, dict(c11.attributes), c11.vendor) == (
         KIND_CORE, "5", {"core": "1"}, "neuron")
     assert c11.qualified_name == "aws.amazon.com/neuroncore=11"
+    # what names it whatever the numbering: its device's index and its own within it
+    assert (c11.uuid, c11.key) == ("neuron5-core1", "aws.amazon.com/neuroncore=neuron5-core1")
     # its device's node, and its own number for a CDI request of that core alone
     assert c11.edits.device_nodes == (DeviceNode("/dev/neuron5", 241, 5),)
     assert c11.edits.env == ("NEURON_RT_VISIBLE_CORES=11",)
@@ -80,6 +106,51 @@ def test_cores_are_numbered_only_while_every_earlier_count_is_known(tmp_path: Pa
     found = discover_neuron(tree.root)
     assert [(c.name, c.parent) for c in cores(found)] == [
         ("0", "0"), ("1", "0"), ("2", "0"), ("3", "0")]  # device 2's numbers would be guesses
+
+
+def test_a_cores_grant_follows_the_core_when_an_earlier_device_vanishes(tmp_path: Path) -> None:
+    # neuron1 does not come up after a driver reload: its index is a gap, and the cores
+    # of neuron2 are numbered 2-3 instead of 4-5. The container holding neuron2's core 0
+    # keeps it: it goes to nobody else by its new number, nor neuron2 whole.
+    tree = _tree(tmp_path, 3)
+    before = discover_inventory(tree.root)
+    engine = Engine(before, Config(policy=PolicyConfig("standalone")))
+    plan = admit(engine, core_request("aws.amazon.com/neuroncore=4", "a"))
+    assert env_of(plan)["NEURON_RT_VISIBLE_CORES"] == "4"
+    tree.remove("/dev/neuron1")
+    shutil.rmtree(tree.path(f"{SYSFS}/neuron1"))
+    after = carry_vanished(before, discover_inventory(tree.root))
+    engine.swap_inventory(after)
+    moved = after.find(KIND_CORE, "2")
+    assert moved is not None and (moved.parent, moved.uuid) == ("2", "neuron2-core0")
+    for asked in ("aws.amazon.com/neuroncore=2", "aws.amazon.com/neuron=2"):
+        with pytest.raises(AllocationError, match="is held by"):
+            engine.plan(core_request(asked, "b"))
+    # the device's other core, in the numbering the Neuron runtime uses now
+    assert env_of(admit(engine, core_request("aws.amazon.com/neuroncore=3", "c"))) == {
+        "AWS_NEURON_VISIBLE_DEVICES": "2", "NEURON_RT_VISIBLE_CORES": "3"}
+    engine.release("a")
+    engine.release("c")  # and the whole device's cores in that numbering
+    assert env_of(admit(engine, core_request("aws.amazon.com/neuron=2", "d"))) == {
+        "AWS_NEURON_VISIBLE_DEVICES": "2", "NEURON_RT_VISIBLE_CORES": "2-3"}
+
+
+def test_a_core_granted_before_cores_had_ids_is_read_as_the_core_of_that_number(
+        tmp_path: Path) -> None:
+    # A grant annotation or checkpoint written before: "...neuroncore=4", a number.
+    engine = Engine(discover_inventory(_tree(tmp_path, 3).root),
+                    Config(policy=PolicyConfig("standalone")))
+    engine.load_checkpoint([Grant("a", name="ns/p/a",
+                                  exclusive=frozenset({"aws.amazon.com/neuroncore=4"}))],
+                           known=True)
+    assert [g.exclusive for g in engine.holdings.grants()] == [
+        frozenset({"aws.amazon.com/neuroncore=neuron2-core0"})]
+    with pytest.raises(AllocationError, match="neuron2-core0 is held by ns/p/a"):
+        engine.plan(core_request("aws.amazon.com/neuroncore=4", "b"))
+    old = container(cid="a", pod="a", annotations={
+        "nri-accel.io/granted": "aws.amazon.com/neuroncore=5"})
+    assert [g.exclusive for g in engine.grants_in([old])] == [
+        frozenset({"aws.amazon.com/neuroncore=neuron2-core1"})]
 
 
 def test_no_neuron_driver_means_nothing_and_no_problem(tmp_path: Path) -> None:

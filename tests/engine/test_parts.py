@@ -17,7 +17,7 @@ from nri_accel.engine import Engine, grant_annotations
 from nri_accel.errors import AllocationError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Inventory
 from nri_accel.state import Checkpoint, Grant, Holdings
-from nri_accel.vendors.neuron import KIND, KIND_CORE
+from nri_accel.vendors.neuron import KIND, KIND_CORE, core_id
 
 
 def neuron_node() -> Inventory:
@@ -28,7 +28,8 @@ def neuron_node() -> Inventory:
         devices.append(Device(KIND, str(i), aliases=(f"neuron{i}",), vendor="neuron",
                               edits=ContainerEdits(device_nodes=(node,)),
                               attributes=MappingProxyType({"cores": "2"})))
-        devices += [Device(KIND_CORE, str(2 * i + j), parent=str(i), vendor="neuron",
+        devices += [Device(KIND_CORE, str(2 * i + j), uuid=core_id(str(i), j), parent=str(i),
+                           vendor="neuron",
                            edits=ContainerEdits(env=(f"NEURON_RT_VISIBLE_CORES={2 * i + j}",),
                                                 device_nodes=(node,)),
                            attributes=MappingProxyType({"core": str(j)}))
@@ -53,8 +54,8 @@ def test_a_whole_device_committed_after_a_core_was_taken_since_its_plan_is_refus
     engine = Engine(neuron_node(), standalone())
     whole = engine.plan(asks("aws.amazon.com/neuron=0", "b"))
     admit(engine, asks("aws.amazon.com/neuroncore=1", "a"))
-    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuron=0 \(its part "
-                                              r"aws\.amazon\.com/neuroncore=1\) is held by"):
+    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuron=0 \(its part aws\.amazon"
+                                              r"\.com/neuroncore=neuron0-core1\) is held by"):
         engine.commit(whole)
     assert held(engine) == {"a": ("aws.amazon.com/neuroncore=1",)}
 
@@ -62,23 +63,24 @@ def test_a_whole_device_committed_after_a_core_was_taken_since_its_plan_is_refus
 def test_a_whole_device_is_refused_while_another_container_holds_a_core() -> None:
     engine = Engine(neuron_node(), standalone())
     admit(engine, asks("aws.amazon.com/neuroncore=1", "a"))
-    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuron=0 \(its part "
-                                              r"aws\.amazon\.com/neuroncore=1\) is held by "
+    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuron=0 \(its part aws\.amazon"
+                                              r"\.com/neuroncore=neuron0-core1\) is held by "
                                               r"default/a/"):
         engine.plan(asks("aws.amazon.com/neuron=0", "b"))
     # A count of whole devices passes over it, and says why when nothing else is free.
     assert admit(engine, asks("aws.amazon.com/neuron: 1", "b")).qualified_names == (
         "aws.amazon.com/neuron=1",)
     with pytest.raises(AllocationError, match=r"held: 0 by default/a/main-a \(id a\), which "
-                                              r"holds its part aws\.amazon\.com/neuroncore=1"):
+                                              r"holds its part aws\.amazon\.com/neuroncore="
+                                              r"neuron0-core1"):
         engine.plan(asks("aws.amazon.com/neuron: 1", "c"))
 
 
 def test_a_core_is_refused_while_another_container_holds_its_device() -> None:
     engine = Engine(neuron_node(), standalone())
     admit(engine, asks("aws.amazon.com/neuron=1", "a"))
-    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuroncore=2 \(its device "
-                                              r"aws\.amazon\.com/neuron=1\) is held"):
+    with pytest.raises(AllocationError, match=r"aws\.amazon\.com/neuroncore=neuron1-core0 "
+                                              r"\(its device aws\.amazon\.com/neuron=1\) is held"):
         engine.plan(asks("aws.amazon.com/neuroncore=2", "b"))
     plan = admit(engine, asks("aws.amazon.com/neuroncore: 2", "b"))  # neuron0's, free
     assert plan.qualified_names == ("aws.amazon.com/neuroncore=0", "aws.amazon.com/neuroncore=1")
