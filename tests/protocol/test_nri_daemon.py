@@ -192,10 +192,12 @@ async def test_malformed_and_oversize_input_is_answered_and_serving_goes_on(
     lines = log_events(daemon_files)
     events = [e["event"] for e in lines]
     assert events.count("registered") == 2
-    broken = [e for e in lines if e["event"] == "runtime_disconnected"]
-    assert [(e["level"], e["error"].startswith("the peer sent bytes that are not NRI (mux "))
-            for e in broken] == [("error", True)]
-    assert "while registered" in broken[0]["error"]
+    broken, *closed = [e for e in lines if e["event"] == "runtime_disconnected"]
+    assert broken["level"] == "error"
+    assert broken["error"].startswith("the peer sent bytes that are not NRI (mux ")
+    assert "while registered" in broken["error"]
+    # the simulator closing at the end, where that comes before SIGTERM: no error
+    assert [(e["level"], e["error"]) for e in closed] in ([], [("warning", None)])
     refused = [e for e in events if e.startswith("ttrpc_frame_refused")]
     assert any("RESOURCE_EXHAUSTED" in e for e in refused)  # the ttrpc layer's own line
 
