@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import gc
 import os
-import re
 import sys
 import time
 from collections.abc import Generator, Iterator
@@ -72,7 +71,6 @@ from nri_accel.state import (
 )
 from nri_accel.ttrpc import MAX_MESSAGE_SIZE
 
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # What the runtime can receive: the ttrpc message limit, less room for the response
 # envelope around the adjustment (field tags and lengths, the status).
 MAX_ADJUSTMENT_BYTES = MAX_MESSAGE_SIZE - 1024
@@ -206,7 +204,8 @@ class AccelPlugin:
                  devices=[d.qualified_name for d in plan.devices],
                  granted_by={q: _shown(s) for q, s in plan.granted_by.items()},
                  **{k: v for k, v in plan.facts if plan.devices},
-                 cdi_devices=list(plan.cdi_devices), notes=list(plan.notes),
+                 cdi_devices=list(plan.cdi_devices),
+                 notes=[_shown(n, 1024) for n in plan.notes],
                  duration_us=elapsed // 1000)
         return result
 
@@ -293,9 +292,11 @@ def _check_size(size: int, plan: Plan) -> None:
 
 
 def _shown(text: str, limit: int = 256) -> str:
-    """`text` as a log field: control characters escaped (a console log is read on a
-    terminal; names come from whoever wrote the pod) and cut at `limit` characters."""
-    if len(text) <= limit and not _UNPRINTABLE.search(text):
+    """`text` as a log field: what str.isprintable() refuses escaped (control
+    characters, and bidi controls such as U+202E, zero-width ones and line separators,
+    which reorder or hide text on a terminal: a console log is read there; names and
+    values come from whoever wrote the pod) and cut at `limit` characters."""
+    if len(text) <= limit and text.isprintable():
         return text
     return repr(text[:limit])[1:-1] + ("..." if len(text) > limit else "")
 

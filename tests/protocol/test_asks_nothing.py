@@ -114,6 +114,18 @@ def test_nvidia_visible_devices_all_in_an_untrusted_namespace_is_still_rewritten
     assert "env NVIDIA_VISIBLE_DEVICES=all not granted" in line["notes"][0]
 
 
+def test_a_note_shows_a_value_escaped_where_it_holds_text_that_reorders_a_line() -> None:
+    # U+2028 and U+2029 (line and paragraph separators) pass the grammar's control
+    # check, and "all" still reads as the request (they are blanks around it); the log
+    # line, read on a terminal, shows them escaped.
+    result, logs = create(plugin(), env=["NVIDIA_VISIBLE_DEVICES=\u2028all\u2029"])
+    assert [(kv.key, kv.value) for kv in result.env] == [("NVIDIA_VISIBLE_DEVICES", "void")]
+    (line,) = infos(logs)
+    (note,) = line["notes"]
+    assert note.startswith("env NVIDIA_VISIBLE_DEVICES=\\u2028all\\u2029 not granted: ")
+    assert note.isprintable()
+
+
 def served_large(accel: AccelPlugin, pod: Any, ctr: Any) -> tuple[Any, int]:
     """A create over convert.LARGE_REQUEST bytes as the daemon serves it (its pod and
     container left encoded, answered by a coroutine): the answer, and how often the loop
