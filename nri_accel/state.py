@@ -323,9 +323,8 @@ class Holdings(Struct):
     def record(self, grant: Grant) -> tuple[Grant, ...]:
         """Record `grant` (check() it first), replacing what it replaces; returns those."""
         gone = tuple(g for i in self.replaced(grant) if (g := self.release(i)) is not None)
-        unlinked = {p: w for p, w in grant.wholes if p not in self._whole}
-        if unlinked:  # a checkpoint's part that no inventory lists now
-            self._link({**self._whole, **unlinked})
+        if grant.wholes and not all(p in self._whole for p, _ in grant.wholes):
+            self._link({**dict(grant.wholes), **self._whole})  # a part no inventory lists
         if grant.exclusive or grant.shared:
             self._grants[grant.container_id] = grant
             for key in grant.exclusive:
