@@ -89,14 +89,16 @@ class HealthWatches:
 def carry_vanished(old: Inventory, new: Inventory) -> Inventory:
     """`new`, plus each device a native family discovered that `old` had and `new` no
     longer has, marked unhealthy (VANISHED), except a part whose whole `new` still has
-    (removed on purpose). A carried device whose name a present device now has is
-    renamed to its stable id (an index belongs to the device that has it now). The CDI
-    family's devices are what spec files and the config describe: one whose node is
-    gone is listed unhealthy by its discovery, one whose description is gone was
-    removed on purpose."""
+    and a whole whose parts `new` has (removed on purpose: a MIG reconfiguration, an
+    AMD GPU's change of compute partition mode). A carried device whose name a present
+    device now has is renamed to its stable id (an index belongs to the device that has
+    it now). The CDI family's devices are what spec files and the config describe: one
+    whose node is gone is listed unhealthy by its discovery, one whose description is
+    gone was removed on purpose."""
     have = {d.key for d in new.devices}
+    wholes = {w.key for d in new.devices if (w := parent_of(d, new)) is not None}
     gone = [d for d in old.devices if d.key not in have and _found_by_its_family(d)
-            and not _whole_still_there(d, old, have)]
+            and d.key not in wholes and not _whole_still_there(d, old, have)]
     if not gone:
         return new
     for d in gone:
@@ -115,10 +117,10 @@ def carry_vanished(old: Inventory, new: Inventory) -> Inventory:
 
 
 def _whole_still_there(device: Device, old: Inventory, have: set[str]) -> bool:
-    """Whether `device` is a part whose whole, as `old` knew it (its parent's name is
-    an index: the device that has it in the new inventory may be another), is among
-    the keys `have`."""
-    whole = parent_of(device, old) if device.parent else None
+    """Whether `device` is a part whose whole, as `old` knew it (a parent's name is an
+    index: the device that has it in the new inventory may be another), is among the
+    keys `have`."""
+    whole = parent_of(device, old)
     return whole is not None and whole.key in have
 
 

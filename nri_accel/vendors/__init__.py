@@ -48,15 +48,12 @@ def parent_of(device: Device, inventory: Inventory) -> Device | None:
     device): its `parent` among its family's kinds, the whole's kind first. A partition
     of a PCI function (Device.partition: an AMD GPU in CPX mode) is a part of that
     function, which no inventory lists (it is not grantable while partitioned): the
-    whole returned is that PCI function under its key (kind and PCI bus id), the key
-    nri-accel gave every partition of a GPU before partitions had an index of their
-    own, so that a container still holding it (a grant annotation or checkpoint written
-    before) holds every partition of that GPU until it ends, and no partition of it is
-    granted twice."""
+    whole returned is that function under the key its family gives it whole
+    (Profile.partition_whole: an AMD GPU's UUID), so that a container holding the GPU
+    whole before a change of partition mode holds every partition after it, and one
+    holding a partition holds the whole GPU after the change back."""
     if device.partition is not None and device.pci_bus_id:
-        from nri_accel.inventory import Device
-
-        return Device(kind=device.kind, name=device.pci_bus_id, pci_bus_id=device.pci_bus_id)
+        return family_of(device.kind).partition_whole(device)
     if not device.parent:
         return None
     for kind in family_of(device.kind).kinds:

@@ -470,6 +470,24 @@ class AmdProfile(VisibleDevicesProfile):
     def probe(self, root: HostRoot, config: Config) -> list[tuple[str, object]]:
         return probe(root)
 
+    def partition_whole(self, device: Device) -> Device:
+        """The GPU a compute partition is part of, keyed as discovery keys it whole (in
+        SPX mode): by its ROCr UUID, "GPU-" and the unique_id every partition carries."""
+        whole = super().partition_whole(device)
+        uid = device.attributes.get("unique_id", "")  # "0x" and 16 hex digits (_device)
+        return replace(whole, uuid=f"GPU-{uid[2:]}") if uid else whole
+
+    def current_key(self, key: str, inventory: Any) -> str:
+        """A partition's grant recorded before partitions had an index of their own
+        named its GPU's PCI address ("amd.com/gpu=0000:11:00.0"): it holds that GPU
+        whole, every partition of it (partition_whole)."""
+        kind, _, ident = key.partition("=")
+        if kind == KIND:
+            for d in inventory.of_kind(KIND):
+                if d.partition is not None and d.pci_bus_id == ident:
+                    return self.partition_whole(d).key
+        return key
+
     def partition(self, device: Device, inventory: Any) -> str:
         if device.partition is None:
             return ""

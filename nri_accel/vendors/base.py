@@ -300,6 +300,14 @@ class Profile:
     def partition(self, device: Device, inventory: Any) -> str:
         return ""
 
+    # ---- parts ----------------------------------------------------------------------
+
+    def partition_whole(self, device: Device) -> Device:
+        """The PCI function a partition (Device.partition) is a part of, which no
+        inventory lists while it is partitioned, under the key the family gives that
+        function whole (here its PCI bus id)."""
+        return Device(kind=device.kind, name=device.pci_bus_id, pci_bus_id=device.pci_bus_id)
+
     # ---- grants ---------------------------------------------------------------------
 
     def current_key(self, key: str, inventory: Any) -> str:

@@ -9,9 +9,16 @@ import pytest
 from fakes.roots import materialise
 from hosttree import HostTree
 
+from nri_accel.config import Config, PolicyConfig
+from nri_accel.container import ContainerInfo
+from nri_accel.discover import assemble
 from nri_accel.discover.base import Found
 from nri_accel.discover.hostroot import HostRoot
-from nri_accel.inventory import Device, DeviceNode
+from nri_accel.engine import Engine
+from nri_accel.errors import AllocationError
+from nri_accel.health import carry_vanished
+from nri_accel.inventory import Device, DeviceNode, Inventory
+from nri_accel.state import Grant
 from nri_accel.vendors import amd
 
 KFD = 235
@@ -255,11 +262,7 @@ def test_partitions_through_the_device_plugin_and_the_engine(tmp_path: Path) -> 
     """The device plugin's IDs are the partitions' ids (one per partition, none left
     out), and what its Allocate grants, the Engine grants: those partitions, recorded
     under the same ids."""
-    from nri_accel.config import Config, PolicyConfig
-    from nri_accel.container import ContainerInfo
     from nri_accel.deviceplugin.resources import allocate, resources_from_inventory
-    from nri_accel.discover import assemble
-    from nri_accel.engine import Engine
 
     tree = _tree(tmp_path, 0)
     _cpx(tree, 1, 0x11, 128, 0xABC, 8)
@@ -277,6 +280,59 @@ def test_partitions_through_the_device_plugin_and_the_engine(tmp_path: Path) -> 
     assert [d.name for d in plan.devices] == ["2", "5"]
     assert plan.annotations["nri-accel.io/granted"] == (
         "amd.com/gpu=0000:11:00.0-p2,amd.com/gpu=0000:11:00.0-p5")
+
+
+def _amd_inventory(tree: HostTree) -> Inventory:
+    return assemble([("amd", True, amd.discover(tree.root))])
+
+
+def _spx_then_cpx(tmp_path: Path) -> tuple[Inventory, Inventory]:
+    """One MI300X at 0000:11:00.0, whole (SPX), then in CPX mode: 8 partitions, the
+    first of them on the whole GPU's render node."""
+    spx, cpx = _tree(tmp_path / "spx", 0), _tree(tmp_path / "cpx", 0)
+    _gpu(spx, 1, 0x11, 128, uid=0xABC)
+    _cpx(cpx, 1, 0x11, 128, 0xABC, 8)
+    return _amd_inventory(spx), _amd_inventory(cpx)
+
+
+def _asks(value: str, cid: str) -> ContainerInfo:
+    return ContainerInfo(namespace="ns", pod_name=cid, pod_uid=cid, container_name="c",
+                         container_id=cid, pod_annotations={"devices.nri-accel.io": value},
+                         container_annotations={}, env=())
+
+
+def test_a_change_of_partition_mode_keeps_the_gpu_with_its_holder(tmp_path: Path) -> None:
+    """The whole GPU and its partitions share render nodes: whichever a container holds,
+    after amd-smi changes the mode (a refresh, carry_vanished, Engine.swap_inventory)
+    the other form of that GPU goes to nobody else until it ends. Neither form is
+    carried as a vanished device: it was replaced on purpose."""
+    spx, cpx = _spx_then_cpx(tmp_path)
+    for before, after, held, other in ((spx, cpx, "amd.com/gpu=0", "amd.com/gpu=3"),
+                                       (cpx, spx, "amd.com/gpu=3", "amd.com/gpu=0")):
+        engine = Engine(before, Config(policy=PolicyConfig(mode="standalone")))
+        engine.commit(engine.plan(_asks(held, "a")))
+        refreshed = carry_vanished(before, after)
+        assert refreshed == after
+        engine.swap_inventory(refreshed)
+        with pytest.raises(AllocationError, match=r"is held by ns/a/c"):
+            engine.plan(_asks(other, "b"))
+        engine.release("a")
+        assert [d.name for d in engine.plan(_asks(other, "b")).devices] == [other[-1]]
+
+
+def test_a_partition_granted_before_partitions_had_ids_holds_its_whole_gpu(
+        tmp_path: Path) -> None:
+    """Such a grant named the GPU's PCI address: restored, it holds every partition."""
+    _, cpx = _spx_then_cpx(tmp_path)
+    engine = Engine(cpx, Config(policy=PolicyConfig(mode="standalone")))
+    engine.load_checkpoint([Grant("a", name="ns/a/c",
+                                  exclusive=frozenset({"amd.com/gpu=0000:11:00.0"}))],
+                           known=True)
+    assert [g.exclusive for g in engine.holdings.grants()] == [
+        frozenset({"amd.com/gpu=GPU-0000000000000abc"})]
+    for p in ("0", "7"):
+        with pytest.raises(AllocationError, match=r"\(its device amd\.com/gpu=GPU-"):
+            engine.plan(_asks(f"amd.com/gpu={p}", "b"))
 
 
 def test_gpu_nodes_without_render_minor_or_location_are_skipped(tmp_path: Path) -> None:
