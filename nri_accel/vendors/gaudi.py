@@ -242,17 +242,17 @@ def _device(root: HostRoot, layout: _Layout, index: int,
         driver_versions.append(driver_ver)
 
     bus_id = _bus_id(root, attr_dir, layout, problems)
-    numa = kernel.pci_numa_node(root, bus_id) if bus_id else None
-    if bus_id:
-        verbs = _verbs_node(root, bus_id, majors, problems)
-        if verbs is not None:
-            nodes.append(verbs)
+    if not bus_id:
+        return None
+    verbs = _verbs_node(root, bus_id, majors, problems)
+    if verbs is not None:
+        nodes.append(verbs)
     return Device(
         kind=KIND,
         name=str(index),
-        aliases=(f"{layout.name}{index}", *((bus_id,) if bus_id else ())),
+        aliases=(f"{layout.name}{index}", bus_id),
         edits=ContainerEdits(device_nodes=tuple(nodes)),
-        numa_node=numa,
+        numa_node=kernel.pci_numa_node(root, bus_id),
         pci_bus_id=bus_id,
         healthy=healthy,
         attributes=MappingProxyType(dict(sorted(attributes.items()))),
@@ -262,15 +262,20 @@ def _device(root: HostRoot, layout: _Layout, index: int,
 
 def _bus_id(root: HostRoot, attr_dir: str, layout: _Layout,
             problems: list[Problem]) -> str:
-    """pci_addr, else (DRM accel layout) the PCI function the "device" link leads to."""
+    """pci_addr, else the PCI function the device's "device" link leads to (the DRM
+    accel layout's attributes are that function's own); "" with a Problem when neither
+    tells it."""
     text = kernel.read_stripped(root, f"{attr_dir}/pci_addr", problems)
     key = parse_pci_bus_id(text) if text else None
-    if key is None and layout.name == "accel":
-        name = kernel.resolved_name(root, attr_dir)
+    if key is None:
+        name = kernel.resolved_name(root, attr_dir if layout.name == "accel"
+                                    else f"{attr_dir}/device")
         key = parse_pci_bus_id(name) if name else None
     if key is None:
-        problems.append(Problem(f"{attr_dir}/pci_addr",
-                                "missing" if text is None else f"not a PCI address: {text!r}"))
+        problems.append(Problem(f"{attr_dir}/pci_addr", (
+            "missing" if text is None else f"not a PCI address: {text!r}") + (
+            ", and no PCI function behind the device: it is left out (only its index "
+            "would name it, which another device takes when one does not come up)")))
         return ""
     return format_pci_bus_id(key)
 

@@ -275,6 +275,34 @@ def test_legacy_hl_layout(tmp_path: Path) -> None:
     assert "minor 2 is not the expected 3" in _problems(found)["/dev/hl_controlD1"]
 
 
+def _legacy(tree: HostTree, i: int, bdf: str, *, pci_addr: bool, link: bool) -> None:
+    base = f"/sys/class/habanalabs/hl{i}"
+    if pci_addr:
+        tree.file(f"{base}/pci_addr", f"{bdf}\n")
+    if link:
+        tree.file(f"/sys/devices/pci0000:00/{bdf}/numa_node", "0\n")
+        tree.symlink(f"{base}/device", f"../../../devices/pci0000:00/{bdf}")
+    tree.file(f"{base}/status", "Operational\n")
+    tree.chardev(f"/dev/hl{i}", 510, 2 * i)
+    tree.chardev(f"/dev/hl_controlD{i}", 510, 2 * i + 1)
+
+
+def test_legacy_hl_layout_without_pci_addr_goes_by_the_device_link_or_is_left_out(
+        tmp_path: Path) -> None:
+    # Without a PCI address only its index would name a device, and after a driver
+    # reload in which an earlier one does not come up, another device has that index:
+    # a grant recorded under it would follow the wrong device.
+    tree = HostTree(tmp_path / "node")
+    tree.file("/proc/devices", "Character devices:\n510 habanalabs\n")
+    _legacy(tree, 0, "0000:19:00.0", pci_addr=False, link=True)
+    _legacy(tree, 1, "0000:1a:00.0", pci_addr=False, link=False)
+    found = gaudi.discover(tree.root)
+    (d,) = found.devices
+    assert (d.name, d.pci_bus_id, d.key) == ("0", "0000:19:00.0", "habana.ai/gaudi=0000:19:00.0")
+    assert "no PCI function behind the device: it is left out" in _problems(found)[
+        "/sys/class/habanalabs/hl1/pci_addr"]
+
+
 def test_loaded_driver_without_devices_is_a_problem(tmp_path: Path) -> None:
     tree = HostTree(tmp_path / "node")
     tree.file("/sys/module/habanalabs/version", "1.18.0-ee698fb\n")
