@@ -34,7 +34,10 @@ Facts it relies on (sources: repository + path):
   DRA driver get it from hlml, HabanaAI/habanalabs-k8s-device-plugin
   habana_device_plugin.go, intel/intel-resource-drivers-for-kubernetes
   pkg/gaudi/device/device.go), so `uuid` stays empty and the PCI bus id is the stable
-  identity (an alias, with "accel<N>" or "hl<N>").
+  identity (an alias, with "accel<N>" or "hl<N>"): pci_addr, else the PCI function
+  the device's "device" link leads to. A device with neither is left out, with a
+  Problem: its index alone would name it, and another device takes that index when
+  one does not come up.
 - Health. A device whose status is not "Operational" is kept with healthy=False and
   attribute health = the status (the ABI document: every other state is unusable or
   transient).
