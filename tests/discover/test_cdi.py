@@ -451,6 +451,21 @@ def test_spec_file_symlink_resolves_inside_the_host_root(tmp_path: Path) -> None
                                                           "/etc/cdi/sub.yaml"]
 
 
+def test_a_relative_spec_link_in_a_linked_directory_goes_on_from_where_it_really_is(
+        tmp_path: Path) -> None:
+    # /etc/cdi -> /opt/vendor/cdi, and there acme.yaml -> ../shared/acme.yaml: the
+    # kernel, and so the runtime reading the spec, opens /opt/vendor/shared/acme.yaml.
+    tree = _tree(tmp_path)
+    _write(tree, "/opt/vendor/shared/acme.yaml", _spec())
+    _write(tree, "/etc/shared/acme.yaml", _spec(kind="decoy.example/npu"))
+    tree.path("/opt/vendor/cdi").mkdir(parents=True)
+    tree.symlink("/opt/vendor/cdi/acme.yaml", "../shared/acme.yaml")
+    tree.symlink("/etc/cdi", "/opt/vendor/cdi")
+    found = discover_cdi(tree.root, ("/etc/cdi",))
+    assert {d.kind for d in found.devices} == {"acme.example/npu"}
+    assert found.problems == ()
+
+
 def test_missing_spec_dirs_are_fine(tmp_path: Path) -> None:
     found = discover_cdi(_tree(tmp_path).root, DIRS)
     assert (found.devices, found.drivers, found.problems) == ((), (), ())

@@ -82,7 +82,7 @@ from msgspec import Struct
 from msgspec.structs import replace
 
 from nri_accel.discover.base import Found, host_device_node
-from nri_accel.discover.hostroot import HostRoot
+from nri_accel.discover.hostroot import HostRoot, walk_in_root
 from nri_accel.edits import (
     NO_ACCESS,
     TMPFS_REQUIRED_OPTIONS,
@@ -332,11 +332,13 @@ def _stat_spec_file(root: HostRoot, host_path: str) -> tuple[str, os.stat_result
         local = root.local(host_path)
         st = os.lstat(local)
         if stat.S_ISLNK(st.st_mode):
-            # Resolve one level inside the host root: an absolute target names a host path.
-            target = os.readlink(local)
-            target_host = os.path.normpath(
-                os.path.join(os.path.dirname(host_path), target)
-            )
+            # Followed one level inside the host root, as the kernel follows it when the
+            # runtime reads the spec: an absolute target names a host path, a relative
+            # one goes on from the directory the link is really in (reached through
+            # links itself: /etc/cdi -> /opt/vendor/cdi).
+            target_host = walk_in_root(root.root or "/", os.readlink(local),
+                                       start=root.resolve(os.path.dirname(host_path)),
+                                       follow_last=False, must_exist=False)
             local = root.local(target_host)
             st = os.lstat(local)
             if stat.S_ISLNK(st.st_mode):
