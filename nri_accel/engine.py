@@ -204,7 +204,7 @@ class Engine:
         )
 
     def holds(self, container_id: str, pod: str, container_name: str) -> bool:
-        """Whether a create of this container (`pod`: its pod's uid, else sandbox id)
+        """Whether a create of this container (`pod`: its sandbox id, else its pod's uid)
         would replace a recorded grant, which plan() and commit() then release. Read
         without the lock (asked of every container created, it is 60 % of this call):
         two dict lookups, each whole under the GIL, and a grant being recorded or
@@ -219,8 +219,8 @@ class Engine:
 
     def commit(self, plan: Plan) -> None:
         """Record `plan`'s grant (replacing its container's earlier one, and that of an
-        earlier container of the same pod and name). An empty container id is never
-        recorded. Raises AllocationError if, since plan(), another container took one
+        earlier container of the same pod sandbox and name). An empty container id is
+        never recorded. Raises AllocationError if, since plan(), another container took one
         of its devices (checked again only if the holdings changed since: the daemon
         commits right after planning, the device plugin's threads may come between)."""
         if not plan.grant.container_id:
@@ -234,7 +234,7 @@ class Engine:
             if g.container_id != plan.grant.container_id:
                 log.info("grant_replaced", container_id=g.container_id, container=g.name,
                          by=plan.grant.container_id,
-                         reason="a new create of the same pod and container name")
+                         reason="a new create of the same pod sandbox and container name")
 
     def release(self, container_id: str) -> Grant | None:
         """Forget what `container_id` holds (StopContainer, RemoveContainer)."""

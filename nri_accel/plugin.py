@@ -147,7 +147,7 @@ class AccelPlugin:
     def create_container(self, pod: Any, container: Any) -> Any:
         started = time.perf_counter_ns()
         if convert.is_glance(container) and not self.engine.holds(
-                container.id, pod.uid or pod.id, convert.container_name(container)):
+                container.id, pod.id or pod.uid, convert.container_name(container)):
             # Most containers on a node ask for nothing: seen so at a glance (see
             # request_decoders), and replacing no grant (which plan() and commit()
             # would release), they are answered at once, empty (the stub sends b""),

@@ -25,8 +25,10 @@ else the name a spec gives it), never by an index that a renumbering can shift.
 
 A container's grant ends with StopContainer/RemoveContainer, with its pod sandbox
 (Stop/RemovePodSandbox: CRI-O sends nothing for a container whose `runc create` failed
-after the adjustment), when a new create for the same pod and container name replaces
-it (kubelet's retry of that failed create), and when a Synchronize does not list it.
+after the adjustment), when a new create for the same pod sandbox and container name
+replaces it (kubelet's retry of that failed create), and when a Synchronize does not
+list it. A sandbox is its runtime id (Grant.pod), not the pod's uid, which every
+sandbox kubelet makes for one pod shares.
 
 The checkpoint (`<state dir>/grants.json`) is written after every change, off the event
 loop, atomically (a temporary file, fsync, rename, fsync of the directory: kubelet's
@@ -99,8 +101,11 @@ class Grant(Struct, frozen=True):
 
     @property
     def pod(self) -> str:
-        """What names the pod: its uid, else the runtime's sandbox id."""
-        return self.pod_uid or self.pod_id
+        """What names the pod sandbox: the runtime's sandbox id, else the pod's uid. Not
+        the uid first: every sandbox kubelet makes for one pod has its uid (a new one
+        after the old one died, while kubelet has yet to remove the old), as do crictl
+        pods made from one config."""
+        return self.pod_id or self.pod_uid
 
     def to_dict(self) -> dict[str, Any]:
         return {"container_id": self.container_id, "name": self.name,
@@ -242,7 +247,7 @@ class Holdings(Struct):
 
     def replaced(self, grant: Grant) -> frozenset[str]:
         """Ids of the grants `grant` would replace: its own container's earlier one, and
-        that of an earlier container of the same pod and name."""
+        that of an earlier container of the same pod sandbox (Grant.pod) and name."""
         out = set()
         if grant.container_id in self._grants:
             out.add(grant.container_id)
@@ -323,6 +328,10 @@ class Holdings(Struct):
     def record(self, grant: Grant) -> tuple[Grant, ...]:
         """Record `grant` (check() it first), replacing what it replaces; returns those."""
         gone = tuple(g for i in self.replaced(grant) if (g := self.release(i)) is not None)
+        self._add(grant)
+        return gone
+
+    def _add(self, grant: Grant) -> None:
         if grant.wholes and not all(p in self._whole for p, _ in grant.wholes):
             self._link({**dict(grant.wholes), **self._whole})  # a part no inventory lists
         if grant.exclusive or grant.shared:
@@ -332,7 +341,6 @@ class Holdings(Struct):
             if grant.pod and grant.container_name:
                 self._by_name[(grant.pod, grant.container_name)] = grant.container_id
             self.version += 1
-        return gone
 
     def release(self, container_id: str) -> Grant | None:
         grant = self._grants.pop(container_id, None)
@@ -350,19 +358,26 @@ class Holdings(Struct):
         return grant
 
     def release_pod(self, pod_uid: str, pod_id: str) -> tuple[Grant, ...]:
-        """Release every grant of the pod (by uid, or by sandbox id)."""
+        """Release every grant of the pod sandbox: by its sandbox id, else (a request or
+        a grant without one) by the pod's uid. Never by uid where both have an id: an
+        older sandbox of the same pod, which kubelet removes after the new one runs,
+        would take the new one's grants with it."""
         ids = [g.container_id for g in self._grants.values()
-               if (pod_uid and g.pod_uid == pod_uid) or (pod_id and g.pod_id == pod_id)]
+               if (g.pod_id == pod_id if pod_id and g.pod_id
+                   else bool(pod_uid) and g.pod_uid == pod_uid)]
         return tuple(g for i in ids if (g := self.release(i)) is not None)
 
     def replace_all(self, grants: Iterable[Grant], *, known: bool = True) -> None:
-        """Start over from `grants` (a checkpoint, a Synchronize)."""
+        """Start over from `grants` (a checkpoint, a Synchronize): every one of them,
+        none replacing another (what runs holds what it was granted, whatever the order
+        in which the runtime lists two containers of one sandbox and name)."""
         self._grants.clear()
         self._holders.clear()
         self._by_name.clear()
         self.known = known
         for g in grants:
-            self.record(g)
+            self.release(g.container_id)  # a container listed twice: its later grant
+            self._add(g)
         self.version += 1
 
     # ---- the checkpoint's form -------------------------------------------------------

@@ -14,9 +14,11 @@ from pathlib import Path
 import msgspec
 import pytest
 from engine_testing import admit, allocated, container, demo_inventory, held, kubernetes, standalone
+from grants import key
 from structlog.testing import capture_logs
 
 from nri_accel.config import Config, DevicesConfig, PolicyConfig
+from nri_accel.container import ContainerInfo
 from nri_accel.engine import Engine
 from nri_accel.errors import AllocationError, ConfigError, StateError
 from nri_accel.inventory import Inventory
@@ -179,6 +181,52 @@ def test_a_pod_sandbox_ending_releases_every_container_of_the_pod():
     released = engine.release_pod("uid-p", "")
     assert sorted(g.container_id for g in released) == ["a", "b"]
     assert list(held(engine)) == ["c"]
+
+
+def in_sandbox(info: ContainerInfo, sandbox: str) -> ContainerInfo:
+    """`info` in the runtime's pod sandbox `sandbox` (its pod uid unchanged)."""
+    return msgspec.structs.replace(info, pod_id=sandbox)
+
+
+def test_an_older_sandbox_of_the_pod_ending_keeps_the_newer_ones_grants():
+    # The first sandbox died; kubelet made a second (same pod uid), whose container
+    # holds a GPU, and removes the first one later: that must release nothing of it.
+    engine = Engine(demo_inventory(), standalone())
+    admit(engine, in_sandbox(allocated("nvidia.com/gpu=6", pod="p", cid="c1"), "sandbox-1"))
+    engine.release_pod("uid-p", "sandbox-1")  # StopPodSandbox(sandbox-1)
+    admit(engine, in_sandbox(allocated("nvidia.com/gpu=6", pod="p", cid="c2"), "sandbox-2"))
+    assert engine.release_pod("uid-p", "sandbox-1") == ()  # kubelet's RemovePodSandbox
+    assert held(engine) == {"c2": ("nvidia.com/gpu=6",)}
+    assert [g.container_id for g in engine.release_pod("uid-p", "sandbox-2")] == ["c2"]
+
+
+def test_containers_of_one_name_in_two_sandboxes_of_one_uid_do_not_replace_each_other():
+    # crictl pods made from one config share the uid; so do a pod's successive sandboxes
+    engine = Engine(demo_inventory(), standalone())
+    admit(engine, in_sandbox(allocated("nvidia.com/gpu=1", pod="p", cid="a", name="main"),
+                             "sandbox-a"))
+    admit(engine, in_sandbox(allocated("nvidia.com/gpu=2", pod="p", cid="b", name="main"),
+                             "sandbox-b"))
+    assert held(engine) == {"a": ("nvidia.com/gpu=1",), "b": ("nvidia.com/gpu=2",)}
+    # a retry in one sandbox replaces that sandbox's earlier container only
+    admit(engine, in_sandbox(allocated("nvidia.com/gpu=3", pod="p", cid="b2", name="main"),
+                             "sandbox-b"))
+    assert held(engine) == {"a": ("nvidia.com/gpu=1",), "b2": ("nvidia.com/gpu=3",)}
+
+
+def test_a_restore_keeps_every_listed_grant_whatever_the_order():
+    # A Synchronize lists a running container and one of the same sandbox and name left
+    # CREATED (a create whose start failed): what runs holds what it was granted.
+    engine = Engine(demo_inventory(), standalone())
+    running, left = (in_sandbox(container(pod="p", cid=cid, name="main", annotations={
+        "nri-accel.io/granted": key(engine.inventory, f"nvidia.com/gpu={gpu}")}), "s")
+        for cid, gpu in (("running", 0), ("left", 1)))
+    for order in ((running, left), (left, running)):
+        engine.restore_grants(engine.grants_in(order))
+        assert held(engine) == {"running": ("nvidia.com/gpu=0",),
+                                "left": ("nvidia.com/gpu=1",)}
+        with pytest.raises(AllocationError, match="is held by"):
+            engine.plan(allocated("nvidia.com/gpu=0", pod="q", cid="other"))
 
 
 def test_cdi_passthrough_grants_are_held():
