@@ -664,13 +664,23 @@ class CheckpointWriter:
         self._known = known or (lambda: True)
         self._dirty = False
         self._task: asyncio.Task[None] | None = None
+        self._changes = 0  # changes so far
+        self._waiting: list[tuple[int, asyncio.Future[None]]] = []  # (change, its write)
         self.failures = 0
 
-    def changed(self) -> None:
-        """Something changed: write soon. Call from the event loop."""
+    def changed(self) -> asyncio.Future[None]:
+        """Something changed: write soon. Call from the event loop. Returns a future
+        done once a write that took its snapshot after this change has finished (or
+        failed, which is logged): what an answer waits for that must not reach the
+        runtime before the grant it reports is in the checkpoint."""
         self._dirty = True
+        self._changes += 1
+        loop = asyncio.get_running_loop()
+        written = loop.create_future()
+        self._waiting.append((self._changes, written))
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._drain())
+            self._task = loop.create_task(self._drain())
+        return written
 
     async def flush(self) -> None:
         """Wait until what changed so far is written (or failed)."""
@@ -680,6 +690,7 @@ class CheckpointWriter:
     async def _drain(self) -> None:
         while self._dirty:
             self._dirty = False
+            covered = self._changes
             grants, known = tuple(self._snapshot()), self._known()
             try:
                 await asyncio.to_thread(self._write, grants, known)
@@ -690,6 +701,13 @@ class CheckpointWriter:
                           risk="a restart without Synchronize would not know these grants")
             else:
                 self.failures = 0
+            finally:
+                waiting, self._waiting = self._waiting, []
+                for change, written in waiting:
+                    if change > covered:
+                        self._waiting.append((change, written))
+                    elif not written.done():
+                        written.set_result(None)
 
     def _write(self, grants: tuple[Grant, ...], known: bool) -> None:
         holdings = Holdings()

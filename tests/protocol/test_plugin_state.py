@@ -20,6 +20,8 @@ from nri_accel.config import Config, PolicyConfig
 from nri_accel.edits import MAX_ENV_STRING
 from nri_accel.engine import Engine
 from nri_accel.errors import RequestError
+from nri_accel.nri import convert
+from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import make_container, make_pod
 from nri_accel.plugin import AccelPlugin
 from nri_accel.state import CHECKPOINT_FILE, Checkpoint, CheckpointWriter, NriStatus, boottime
@@ -89,14 +91,40 @@ async def test_the_checkpoint_follows_every_change(tmp_path: Path):
     accel = AccelPlugin(engine, writer.changed)
     pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 1"}})
     ctr = make_container(pod, {"name": "main"})
-    accel.create_container(pod, ctr)
-    await writer.flush()
+    # Until a Synchronize, the answer to a create that grants goes out once the
+    # checkpoint holds the grant: a plugin killed right after answering restarts knowing
+    # it (containerd 1.7 sends a plugin it launched no Synchronize, ever).
+    answer = accel.create_container(pod, ctr)
+    assert asyncio.iscoroutine(answer) and not (tmp_path / CHECKPOINT_FILE).exists()
+    assert isinstance(await answer, bytes)
     doc = json.loads((tmp_path / CHECKPOINT_FILE).read_text())
     assert doc["boot_id"] == "boot-1"
     assert [g["container_id"] for g in doc["grants"]] == [ctr.id]
     accel.remove_container(pod, ctr)
     await writer.flush()
     assert checkpoint.load() == ([], True)
+    # Once synchronised, at once: a restart is synchronised again, and reads the grant
+    # from the container's annotation.
+    await accel.synchronize([pod], [])
+    again = make_container(pod, {"name": "main"})
+    assert isinstance(accel.create_container(pod, again), bytes)
+    assert [len(v) for v in held(engine).values()] == [1]
+    await writer.flush()
+
+
+async def test_a_large_create_that_grants_waits_for_the_checkpoint_too(tmp_path: Path):
+    engine = Engine(demo_inventory(), STANDALONE)
+    writer = CheckpointWriter(Checkpoint(str(tmp_path), boot_id="b"), engine.holdings.snapshot)
+    accel = AccelPlugin(engine, writer.changed)
+    pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 1"}})
+    ctr = make_container(pod, {"name": "main", "env": [f"V{i}=x" for i in range(20_000)]})
+    payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+    req = accel.request_decoders["CreateContainer"](payload)
+    assert convert.is_large(req.container)  # read a run of fields at a time
+    answer = await accel.create_container(req.pod, req.container)
+    assert pb.ContainerAdjustment.FromString(answer).linux.devices
+    grants, _ = Checkpoint(str(tmp_path), boot_id="b").load()
+    assert [g.container_id for g in grants] == [ctr.id]
 
 
 async def test_an_unreadable_checkpoint_stays_unknown_across_restarts_until_synchronize(
@@ -122,8 +150,7 @@ async def test_an_unreadable_checkpoint_stays_unknown_across_restarts_until_sync
             accel.create_container(pod, make_container(pod, {"name": "main"}))
         assert e.value.status == "UNAVAILABLE"
         if launch == 0:  # a named device is still served, and its grant kept
-            accel.create_container(named, named_ctr)
-            await writer.flush()
+            await accel.create_container(named, named_ctr)
         assert held(engine) == {named_ctr.id: ("nvidia.com/gpu=2",)}
         assert json.loads((tmp_path / CHECKPOINT_FILE).read_text())["known"] is False
     # A Synchronize says what runs: the state is known from then on, and stays so.
@@ -170,10 +197,11 @@ async def test_writes_coalesce_while_one_is_in_flight(tmp_path: Path):
     checkpoint.save = save  # type: ignore[method-assign]
     writer = CheckpointWriter(checkpoint, engine.holdings.snapshot)
     accel = AccelPlugin(engine, writer.changed)
+    answers = []
     for i in range(20):
         pod = make_pod({"name": f"p{i}", "annotations": {KEY: "nvidia.com/gpu=0"}})
         engine.holdings.replace_all([])  # each create the only one
-        accel.create_container(pod, make_container(pod, {"name": "main"}))
-    await writer.flush()
+        answers.append(accel.create_container(pod, make_container(pod, {"name": "main"})))
+    await asyncio.gather(*answers)  # each answered once a write after it has finished
     assert 1 <= len(saves) < 20
     await asyncio.sleep(0)
