@@ -134,3 +134,33 @@ def test_mps_pipe_directory_stays_in_tmp(fake_root: FakeRoot) -> None:
     (drv,) = discover_nvidia(root).drivers
     compute = {m.container_path for m in drv.capabilities["compute"].mounts}
     assert "/tmp/nvidia-mps" in compute and "/run/nvidia-mps" not in compute
+
+
+def mps_mounted(root: HostRoot) -> tuple[bool, dict[str, str]]:
+    found = discover_nvidia(root)
+    (drv,) = found.drivers
+    mounted = "/tmp/nvidia-mps" in {m.container_path for m in drv.capabilities["compute"].mounts}
+    return mounted, {p.source: p.message for p in found.problems if "nvidia-mps" in p.source
+                     or "persistenced" in p.source}
+
+
+def test_an_ipc_path_another_user_could_replace_is_not_mounted(fake_root: FakeRoot) -> None:
+    # The runtime resolves a mount source again when it mounts it: a path that anyone but
+    # root could replace after discovery by a link (to /var/lib/kubelet, to /root) would
+    # bind that into every GPU container (CVE-2024-0132 was such a swap).
+    root = fake_root("a100-mig")
+    os.chmod(root.local("/tmp"), 0o1777)  # world-writable and sticky, as on a host
+    assert mps_mounted(root) == (True, {})  # root's own, in a sticky /tmp: only root
+    os.chown(root.local("/tmp/nvidia-mps"), 1000, 1000)  # made by a user before MPS ran
+    mounted, problems = mps_mounted(root)
+    assert not mounted
+    assert problems["/tmp/nvidia-mps"].startswith("uid 1000, its owner, could replace it")
+    os.chown(root.local("/tmp/nvidia-mps"), 0, 0)
+    os.chmod(root.local("/tmp"), 0o777)  # writable by all, not sticky: anyone could
+    assert "anyone who may write to /tmp" in mps_mounted(root)[1]["/tmp/nvidia-mps"]
+    # nvidia-persistenced --user: its run directory is that user's
+    os.chown(root.local("/run/nvidia-persistenced"), 1000, 1000)
+    sockets, problems = ipc_mounts(root)
+    assert f"/run/{PERSIST}" not in sockets
+    assert problems[f"/run/{PERSIST}"].startswith(
+        "uid 1000, the owner of /run/nvidia-persistenced, could replace it")
