@@ -62,6 +62,7 @@ import itertools
 import json
 import math
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, KeysView, Mapping
 from typing import Any
@@ -417,19 +418,18 @@ class Checkpoint:
         checkpoint or it is another boot's; ([], False) when it cannot be read, with an
         error logged saying why; (grants, False) when it says the state was not known
         (written while unknown)."""
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read(MAX_CHECKPOINT_BYTES + 1)
+        try:  # what `run` writes is a regular file: a FIFO is never waited on, a link
+            # (which `run` never makes) never followed
+            data = read_regular(self.path, MAX_CHECKPOINT_BYTES, follow=False)
         except FileNotFoundError:
             log.info("checkpoint_absent", path=self.path,
                      meaning="nothing was granted on this boot")
             return [], True
         except OSError as e:
-            self._unreadable(e.strerror or str(e))
+            why = "a symbolic link" if e.errno == errno.ELOOP else e.strerror or str(e)
+            self._unreadable(why)
             return [], False
         try:
-            if len(data) > MAX_CHECKPOINT_BYTES:
-                raise ValueError(f"larger than {MAX_CHECKPOINT_BYTES} bytes")
             doc = json.loads(data)
             if not isinstance(doc, dict) or doc.get("version") != CHECKPOINT_VERSION:
                 raise ValueError(f"not a version {CHECKPOINT_VERSION} checkpoint")
@@ -489,9 +489,10 @@ class Checkpoint:
 
 
 def prepare_state_dir(path: str, *, source: str, create: bool = True) -> None:
-    """Make sure the state directory `path` is a directory: with `create` (`run`, which
-    writes there), created where absent (mode 0755, parents too) and writable; without
-    (`device-plugin`, which only reads), absent is fine until `run` creates it. Raises
+    """Make sure the state directory `path` is a directory this process owns and no one
+    else may write to: with `create` (`run`, which writes there), created where absent
+    (mode 0755, parents too) and writable; without (`device-plugin`, which only reads),
+    absent is fine until `run` creates it. Raises
     ConfigError naming `source` (the flag or config key that chose `path`), so that a
     daemon stops at start instead of failing each write."""
     try:
@@ -510,6 +511,14 @@ def prepare_state_dir(path: str, *, source: str, create: bool = True) -> None:
                           source=source)
     if create and not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"the state directory {path} is not writable", source=source)
+    st = os.stat(path)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        # whoever else may write there could forge the grants `run` restores (a device
+        # held twice) or the record the device plugin trusts
+        raise ConfigError(
+            f"the state directory {path} is owned by uid {st.st_uid} with mode "
+            f"{stat.S_IMODE(st.st_mode):04o}: it must be this process's (uid "
+            f"{os.geteuid()}) and writable by no one else (chmod go-w)", source=source)
 
 
 def state_dir_source(flag: str | None, config_path: str) -> str:

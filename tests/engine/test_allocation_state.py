@@ -9,6 +9,7 @@ enumeration order is not stable; the UUIDs and PCI bus ids stay).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import msgspec
@@ -339,6 +340,44 @@ def test_a_state_dir_must_be_a_directory(tmp_path: Path, create: bool):
     absent = tmp_path / "a" / "b"
     prepare_state_dir(str(absent), source="--state-dir", create=create)
     assert absent.is_dir() is create  # `run` creates it; `device-plugin` waits for run
+
+
+@pytest.mark.parametrize("create", [True, False])
+def test_a_state_dir_others_may_write_to_is_refused(tmp_path: Path, create: bool):
+    # Whoever else may write there could forge the grants `run` restores (a device
+    # held twice) or the record the device plugin trusts.
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    prepare_state_dir(str(state), source="--state-dir", create=create)
+    state.chmod(0o777)
+    with pytest.raises(ConfigError, match=r"owned by uid 0 with mode 0777: it must be "
+                                          r"this process's \(uid 0\) and writable by no one"):
+        prepare_state_dir(str(state), source="--state-dir", create=create)
+    state.chmod(0o755)
+    os.chown(state, 1000, 1000)
+    with pytest.raises(ConfigError, match="owned by uid 1000"):
+        prepare_state_dir(str(state), source="--state-dir", create=create)
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink"])
+def test_a_checkpoint_that_is_not_a_regular_file_is_unreadable_not_waited_on(
+        tmp_path: Path, plant: str):
+    # A FIFO there blocked `run` at start for ever; a link (which `run` never makes) was
+    # followed to whatever grants it named.
+    state = tmp_path / "state"
+    state.mkdir()
+    elsewhere = tmp_path / "forged.json"
+    elsewhere.write_text(json.dumps({"version": 1, "boot_id": BOOT, "grants": [
+        {"container_id": "x", "exclusive": ["nvidia.com/gpu=GPU-forged"]}]}))
+    if plant == "fifo":
+        os.mkfifo(state / CHECKPOINT_FILE)
+    else:
+        (state / CHECKPOINT_FILE).symlink_to(elsewhere)
+    with capture_logs() as logs:
+        assert _checkpoint(tmp_path).load() == ([], False)
+    (line,) = logs
+    assert line["event"] == "checkpoint_unreadable"
+    assert ("FIFO" if plant == "fifo" else "a symbolic link") in line["error"]
 
 
 def test_the_checkpoint_file_is_replaced_whole(tmp_path: Path):
