@@ -38,6 +38,7 @@ from nri_accel.metrics import (
     device_counts,
     parse_address,
 )
+from nri_accel.metrics import server as server_module
 from nri_accel.metrics.server import DevicePluginMetrics, MetricsServer, RunMetrics
 
 LOCAL = Address("127.0.0.1", 0, "--metrics-address")
@@ -361,6 +362,49 @@ def test_other_paths_are_404() -> None:
     async def scenario(server: MetricsServer, address: str) -> None:
         answer = await aget(address, "/")
         assert answer.status == 404 and "/metrics" in answer.text
+
+    serve(run_metrics(), scenario)
+
+
+def _hold(address: str, sent: bytes) -> socket.socket:
+    """A client that sends `sent` and then nothing: a slow or hostile one."""
+    host, _, port = address.rpartition(":")
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    conn.sendall(sent)
+    return conn
+
+
+def _until_closed(conn: socket.socket) -> bytes:
+    """What the server sends before it closes `conn` (within the test's bounded wait)."""
+    got = b""
+    while chunk := conn.recv(65536):
+        got += chunk
+    conn.close()
+    return got
+
+
+def test_clients_that_never_finish_are_bounded_in_number_time_and_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client sending a byte every few seconds held a thread and up to 6 MiB of header
+    # lines for ever: 40 of them took a daemon from 28 to 277 MiB.
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 3)
+    monkeypatch.setattr(server_module, "REQUEST_SECONDS", 1.0)
+    monkeypatch.setattr(server_module._Handler, "timeout", 1.0)
+
+    async def scenario(server: MetricsServer, address: str) -> None:
+        held = [await asyncio.to_thread(_hold, address, b"GET /metrics HTTP/1.1\r\nX-A: ")
+                for _ in range(3)]
+        over = await asyncio.to_thread(_hold, address, b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert await asyncio.to_thread(_until_closed, over) == b""  # closed, unanswered
+        # each held one is cut when its time is up, whatever it still means to send
+        for conn in held:
+            await asyncio.to_thread(_until_closed, conn)
+        assert (await aget(address, "/healthz")).status == 200
+        # a request's line and headers are read up to MAX_REQUEST_BYTES, then answered
+        huge = b"GET /healthz HTTP/1.0\r\n" + b"X-B: " + b"b" * 200_000
+        answer = await asyncio.to_thread(_until_closed, await asyncio.to_thread(
+            _hold, address, huge[:server_module.MAX_REQUEST_BYTES + 100]))
+        assert answer.startswith(b"HTTP/1.0 200 ")
 
     serve(run_metrics(), scenario)
 

@@ -23,7 +23,9 @@ runtime; and liveness has to be judged from outside the loop: a server on a stuc
 loop would just not answer, while this one answers 503 and says why. Everything that
 reads daemon state runs on the loop: a heartbeat task wakes every `interval`, calls
 the verb's `sample()` (which copies state into gauges) and `ready()`, and publishes
-an immutable snapshot; the HTTP threads read only that snapshot and the registry.
+an immutable snapshot; the HTTP threads read only that snapshot and the registry. A
+client is bounded (it may be any pod where the address is reachable): MAX_CONNECTIONS
+at a time, REQUEST_SECONDS and MAX_REQUEST_BYTES each.
 
 - /healthz: 200 while the loop ticks; 503 when the last heartbeat is older than
   `stale_after` (the loop is blocked) or the heartbeat stopped (the loop ended).
@@ -46,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import socket
 import socketserver
 import threading
 import time
@@ -331,9 +334,20 @@ class MetricsServer:
         return 200, "ready"
 
 
+MAX_CONNECTIONS = 64
+"""Connections served at a time; one more is closed at once. A thread each: without a
+bound, clients that never finish their request (a byte every few seconds) held a thread
+and 6 MiB of buffered header lines each, and 40 of them took the daemon to 277 MiB."""
+REQUEST_SECONDS = 5.0
+"""How long a connection may take in all (the socket timeout bounds each read only)."""
+MAX_REQUEST_BYTES = 16 * 1024
+"""What a request may send (its line and headers; the endpoints read nothing else)."""
+
+
 class _HTTPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """A thread per connection. Not http.server.HTTPServer, whose server_bind does a
-    reverse DNS lookup of the address (socket.getfqdn) that can hang at start."""
+    """A thread per connection, MAX_CONNECTIONS at a time. Not http.server.HTTPServer,
+    whose server_bind does a reverse DNS lookup of the address (socket.getfqdn) that can
+    hang at start."""
 
     daemon_threads = True  # a scrape in progress never holds up the process's exit
     allow_reuse_address = True  # a restart binds again despite TIME_WAIT connections
@@ -342,11 +356,51 @@ class _HTTPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     def __init__(self, address: Address, owner: MetricsServer) -> None:
         self.address_family = address.family
         self.owner = owner
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__((address.host, address.port), _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the bound: closed unanswered
+            return
+        try:
+            super().process_request(request, client_address)  # starts its thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.warning("metrics_request_failed", client=str(client_address[0]),
                     exc_info=True)
+
+
+class _Bounded:
+    """A connection's reader giving at most `limit` bytes in all, then end of file (the
+    headers end there: a request that long is answered on what was read)."""
+
+    def __init__(self, raw: Any, limit: int) -> None:
+        self._raw, self._left = raw, limit
+
+    def readline(self, size: int = -1) -> bytes:
+        n = self._left if size < 0 else min(size, self._left)
+        line: bytes = self._raw.readline(n) if n > 0 else b""
+        self._left -= len(line)
+        return line
+
+    def read(self, size: int = -1) -> bytes:
+        n = self._left if size < 0 else min(size, self._left)
+        data: bytes = self._raw.read(n) if n > 0 else b""
+        self._left -= len(data)
+        return data
+
+    def close(self) -> None:
+        self._raw.close()
 
 
 def _bind(address: Address, owner: MetricsServer) -> _HTTPServer:
@@ -363,7 +417,23 @@ class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     server_version = "nri-accel"
     sys_version = ""
-    timeout = 10  # seconds a client has to send its request: a silent one frees its thread
+    timeout = REQUEST_SECONDS  # for each read; the connection's whole: _expire
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _Bounded(self.rfile, MAX_REQUEST_BYTES)  # type: ignore[assignment]
+        self._deadline = threading.Timer(REQUEST_SECONDS, self._expire)
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def finish(self) -> None:
+        self._deadline.cancel()
+        super().finish()
+
+    def _expire(self) -> None:
+        """The connection's time is up: its reads and writes end (EOF, EPIPE)."""
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
 
     def do_GET(self) -> None:
         self._answer(body=True)
