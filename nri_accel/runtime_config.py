@@ -323,12 +323,19 @@ def _glob(root: HostRoot, pattern: str) -> list[str]:
 
 def _files_under(root: HostRoot, directory: str) -> list[str]:
     """Regular files under `directory` (host paths) in the order filepath.Walk visits
-    them: lexical, a subdirectory's files where its name sorts."""
+    them: lexical, a subdirectory's files where its name sorts. As Walk, it lstats each
+    entry and never descends a link to a directory (two links to "." had it walk for
+    ever); a link to a regular file is read, as the runtime's ReadFile follows it."""
     out: list[str] = []
     for name in root.listdir(directory):
         path = posixpath.join(directory, name)
         try:
-            mode = os.stat(root.local(path)).st_mode
+            local = root.local(path)
+            mode = os.lstat(local).st_mode
+            if stat.S_ISLNK(mode):  # followed inside the root, as the host sees it
+                mode = os.stat(root.local(root.resolve(path))).st_mode
+                if stat.S_ISDIR(mode):
+                    continue
         except (OSError, ValueError):
             continue
         if stat.S_ISDIR(mode):

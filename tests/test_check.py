@@ -459,6 +459,11 @@ CONFIG_CASES: dict[str, tuple[dict[str, str], list[tuple[str, ...]], list[tuple[
          "/etc/crio/crio.conf.d/10-nri-accel.conf": DEPLOY_CRIO},
         [("warn", "NRI is off (enable_nri = false in /etc/crio/crio.conf.d/20-off.conf)",
           "set enable_nri = true in [crio.nri]")], []),
+    "CRI-O: links in the drop-in directory, to a file (read) and to a directory (not walked)": (
+        {"/etc/crio/crio.conf.d/a": "->.", "/etc/crio/crio.conf.d/b": "->.",
+         "/etc/crio/crio.conf.d/10-nri-accel.conf": "->/opt/crio/nri.conf",
+         "/opt/crio/nri.conf": DEPLOY_CRIO},
+        [("ok", "/etc/crio/crio.conf.d/10-nri-accel.conf: NRI on")], [("warn",)]),
     "CRI-O: a malformed drop-in is named, the others still read": (
         {"/etc/crio/crio.conf.d/05-broken.conf": "[crio.nri\n",
          "/etc/crio/crio.conf.d/10-nri-accel.conf": DEPLOY_CRIO},
