@@ -48,6 +48,18 @@ def test_last_component_is_not_followed(tmp_path) -> None:
     assert stat.S_ISLNK(r.lstat("/dev/nvidia0").st_mode)  # the link, not /dev/null
 
 
+def test_listdir_follows_a_last_link_inside_the_root(tmp_path) -> None:
+    # /dev/nvidia-caps -> /etc on the host is the host's /etc, never this process's
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "host-only").write_text("")
+    os.symlink("/etc", tmp_path / "dev" / "nvidia-caps")
+    r = HostRoot.at(tmp_path)
+    assert r.listdir("/dev/nvidia-caps") == ["host-only"]
+    os.symlink("/nowhere", tmp_path / "dev" / "gone")
+    assert r.listdir("/dev/gone") == []
+
+
 def test_symlink_loop_is_an_error(tmp_path) -> None:
     os.symlink("/b", tmp_path / "a")
     os.symlink("/a", tmp_path / "b")

@@ -238,9 +238,11 @@ class HostRoot(Struct, frozen=True):
         return data.decode("utf-8", errors="replace")
 
     def listdir(self, host_path: str) -> list[str]:
+        """The sorted names in the directory `host_path`, a last symlink followed inside
+        the root as the host sees it; [] where there is none (or it cannot be read)."""
         try:
-            return sorted(os.listdir(self.local(host_path)))
-        except OSError:
+            return sorted(os.listdir(self.local(self.resolve(host_path))))
+        except (OSError, ValueError):
             return []
 
     # ---- writes: discovery/refresh only, never on a CreateContainer -------------------

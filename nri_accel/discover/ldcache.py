@@ -170,9 +170,12 @@ class Locator:
     def __init__(self, root: HostRoot, arch: Arch | None = None) -> None:
         self.root = root
         self.arch = arch or native_arch()
-        self.base = root.local(root.driver_root)
+        # The driver root as the host resolves it (a link there followed inside the
+        # root, never out of it): mount sources are host paths the runtime resolves.
+        driver_root = root.resolve(root.driver_root)
+        self.base = root.local(driver_root)
         self._local_prefix = self.base.rstrip("/")
-        self._host_prefix = root.driver_root.rstrip("/")
+        self._host_prefix = driver_root.rstrip("/")
         self._resolved: dict[str, str | None] = {}  # one Locator per discovery: no staleness
         self._listings: dict[str, list[str]] = {}
         self.problems: list[Problem] = []

@@ -203,6 +203,25 @@ def test_repeated_discovery_of_different_roots_is_deterministic(fake_root: FakeR
 # ---- h100: driver container root, NVLink mesh, MIG disabled ----------------------------
 
 
+def test_a_driver_root_that_is_a_link_is_followed_inside_the_root(fake_root: FakeRoot,
+                                                                  tmp_path: Path) -> None:
+    # The driver container's root reached through a link: the host resolves the mount
+    # sources, so they are its target's paths; a target outside the root is not read.
+    root = fake_root("h100")
+    local = Path(root.local("/run/nvidia/driver"))
+    Path(root.local("/opt")).mkdir(exist_ok=True)
+    local.rename(Path(root.local("/opt")) / "nvidia-driver")
+    local.symlink_to("/opt/nvidia-driver")
+    drv = driver(discover_nvidia(root))
+    assert mounts(drv, "compute")[f"{LIB}/libcuda.so.1"] == \
+        f"/opt/nvidia-driver{X86}/libcuda.so.570.124.06"
+    local.unlink()
+    (Path(root.local("/opt")) / "nvidia-driver").rename(tmp_path / "outside")
+    local.symlink_to(tmp_path / "outside")  # absent inside the root: never this process's
+    found = discover_nvidia(root)
+    assert found.drivers == () and "libnvidia-ml.so.1 not found" in found.problems[-1].message
+
+
 def test_h100_driver_root(fake_root: FakeRoot) -> None:
     root = fake_root("h100")
     found = discover_nvidia(root)
