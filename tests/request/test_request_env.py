@@ -185,6 +185,9 @@ NOCAPS: frozenset[str] = frozenset()
     (["NVIDIA_DRIVER_CAPABILITIES=all"], ALL_CAPABILITIES, "env NVIDIA_DRIVER_CAPABILITIES"),
     (["NVIDIA_DRIVER_CAPABILITIES=compute,all"], ALL_CAPABILITIES,
      "env NVIDIA_DRIVER_CAPABILITIES"),
+    # the toolkit asks IsAll() before it looks at the names: what else is listed is moot
+    (["NVIDIA_DRIVER_CAPABILITIES=all,bogus"], ALL_CAPABILITIES,
+     "env NVIDIA_DRIVER_CAPABILITIES"),
     (["NVIDIA_DRIVER_CAPABILITIES=compute,compat32,graphics,utility,video,display,ngx"],
      ALL_CAPABILITIES, "env NVIDIA_DRIVER_CAPABILITIES"),
     (["NVIDIA_DRIVER_CAPABILITIES= video , ,utility"], {"video", "utility"},

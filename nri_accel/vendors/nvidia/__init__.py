@@ -494,18 +494,21 @@ def parse_capabilities(value: str, source: str) -> tuple[frozenset[str], str]:
     internal/config/image NewDriverCapabilities): an empty value is the default
     utility,compute; any other value is split on commas, blanks trimmed and empty items
     skipped, so a value of blanks or commas alone (" ", ",") is no capability at all;
-    "all" -> every capability; unknown names are refused."""
+    "all" -> every capability, whatever else is listed; other unknown names are
+    refused."""
     check_text(value, source)
     if value == "":
         return DEFAULT_CAPABILITIES, source
     names = {t.strip() for t in value.split(",")} - {""}
     if not names:
         return frozenset(), source
-    unknown = sorted(names - ALL_CAPABILITIES - {"all"})
+    if "all" in names:
+        return ALL_CAPABILITIES, source
+    unknown = sorted(names - ALL_CAPABILITIES)
     if unknown:
         raise RequestError(f"unknown driver capabilities {', '.join(unknown)} (known: all, "
                            f"{', '.join(sorted(ALL_CAPABILITIES))})", source=source)
-    return (ALL_CAPABILITIES if "all" in names else frozenset(names)), source
+    return frozenset(names), source
 
 
 def _requirements(env: Mapping[str, str]) -> Requirements | None:
