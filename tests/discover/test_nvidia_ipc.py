@@ -154,13 +154,17 @@ def test_an_ipc_path_another_user_could_replace_is_not_mounted(fake_root: FakeRo
     os.chown(root.local("/tmp/nvidia-mps"), 1000, 1000)  # made by a user before MPS ran
     mounted, problems = mps_mounted(root)
     assert not mounted
-    assert problems["/tmp/nvidia-mps"].startswith("uid 1000, its owner, could replace it")
+    assert problems["/tmp/nvidia-mps"].startswith(
+        "uid 1000, the owner of /tmp/nvidia-mps, could replace it")
     os.chown(root.local("/tmp/nvidia-mps"), 0, 0)
     os.chmod(root.local("/tmp"), 0o777)  # writable by all, not sticky: anyone could
     assert "anyone who may write to /tmp" in mps_mounted(root)[1]["/tmp/nvidia-mps"]
-    # nvidia-persistenced --user: its run directory is that user's
+    # nvidia-persistenced --user (Ubuntu's unit): root gave it its run directory, and
+    # only it may replace what is there; a directory anyone may write to is refused
     os.chown(root.local("/run/nvidia-persistenced"), 1000, 1000)
+    assert f"/run/{PERSIST}" in ipc_mounts(root)[0]
+    os.chmod(root.local("/run/nvidia-persistenced"), 0o777)
     sockets, problems = ipc_mounts(root)
     assert f"/run/{PERSIST}" not in sockets
     assert problems[f"/run/{PERSIST}"].startswith(
-        "uid 1000, the owner of /run/nvidia-persistenced, could replace it")
+        "anyone who may write to /run/nvidia-persistenced could replace it")

@@ -54,11 +54,12 @@ What it finds:
   directories resolved in the root: /var/run -> /run gives one mount, at /run/...).
   The MPS pipe directory is CUDA's default /tmp/nvidia-mps only. An IPC path's last
   component must be the socket or directory itself, never a symlink (the MPS pipe
-  directory lives in world-writable /tmp), and only root may be able to replace it:
-  every directory on its way owned by root and writable by no one else (or sticky, and
-  then the path itself root's). The runtime resolves a mount source again when it
-  mounts it; a path a user could swap for a link after discovery would bind any host
-  directory into GPU containers. Anything else is a Problem, and not mounted.
+  directory lives in world-writable /tmp), and no one but root, or whom root gave a
+  directory on its way, may be able to replace it: no directory on its way writable by
+  others unless sticky, and then the entry in it root's. The runtime resolves a mount
+  source again when it mounts it; a path a user could swap for a link after discovery
+  would bind any host directory into GPU containers. Anything else is a Problem, and
+  not mounted.
 
 Device nodes are taken with lstat: major/minor from the node itself, a symlink or a
 non-device refused with a Problem (and left out), never followed. A node whose
@@ -732,22 +733,25 @@ def _frozen(attrs: dict[str, str]) -> MappingProxyType[str, str]:
 
 
 def _replaceable_by(locator: Locator, leaf: str, st: os.stat_result) -> str:
-    """Who other than root could put something else at `leaf` (a resolved path: no link
-    in it) between discovery and the runtime's mount of it, which resolves it again on
-    the host: the owner of a directory on its way that others may write to (a sticky
-    one, /tmp, only for entries they own: then `leaf`'s owner); "" when only root can.
-    An IPC path emitted as a mount source must stay what discovery saw (CVE-2024-0132
-    was a mount source swapped for a link between check and use)."""
-    parts = leaf.strip("/").split("/")[:-1]
-    for path in ("/", *("/" + "/".join(parts[:n]) for n in range(1, len(parts) + 1))):
+    """Who could put something else at `leaf` (a resolved path: no link in it) between
+    discovery and the runtime's mount of it, which resolves it again on the host,
+    without being root or whom root gave a directory on its way (nvidia-persistenced
+    --user owns its run directory): anyone who may write to a directory on its way,
+    unless it is sticky (/tmp), and then the owner of the entry in it, unless root. ""
+    when no one can. An IPC path emitted as a mount source must stay what discovery saw
+    (CVE-2024-0132 was a mount source swapped for a link between check and use)."""
+    parts = leaf.strip("/").split("/")
+    sticky = False  # the directory above is sticky and others may write to it
+    for n in range(len(parts) + 1):
+        path = "/" + "/".join(parts[:n])
         try:
-            d = os.lstat(locator.local_path(path))
+            d = st if n == len(parts) else os.lstat(locator.local_path(path))
         except OSError:
             return f"whoever made {locator.host_path(path)} unreadable"
-        if d.st_uid != 0:
+        if sticky and d.st_uid != 0:
             return f"uid {d.st_uid}, the owner of {locator.host_path(path)},"
-        if d.st_mode & 0o022 and not d.st_mode & stat.S_ISVTX:
+        shared = bool(d.st_mode & 0o022)
+        if shared and n < len(parts) and not d.st_mode & stat.S_ISVTX:
             return f"anyone who may write to {locator.host_path(path)}"
-    if st.st_uid != 0 and d.st_mode & 0o022:  # a sticky directory others write to
-        return f"uid {st.st_uid}, its owner,"
+        sticky = shared
     return ""
