@@ -13,9 +13,10 @@ from request_testing import nv, parse
 from nri_accel.errors import RequestError
 from nri_accel.inventory import Device, Driver, Inventory
 from nri_accel.select import DeviceIndex
-from nri_accel.vendors.nvidia import KIND_GPU, MAX_CONSTRAINTS, PROFILE, Options
+from nri_accel.vendors.nvidia import KIND_GPU, PROFILE, Options
 from nri_accel.vendors.nvidia import requirements as requirements_module
 from nri_accel.vendors.nvidia.requirements import (
+    MAX_CONSTRAINTS,
     Constraint,
     Requirements,
     parse_requirement,

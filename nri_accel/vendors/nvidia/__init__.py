@@ -93,10 +93,8 @@ from nri_accel.vendors.base import (
 from nri_accel.vendors.nvidia.requirements import (
     CUDA_VERSION,
     DISABLE_REQUIRE,
-    REQUIRE_JETPACK,
     REQUIRE_PREFIX,
     Requirements,
-    disabled,
     legacy_cuda_image,
     requirements_from_env,
 )
@@ -141,13 +139,6 @@ _UUID = r"[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f
 _JIT_UUID_RE = re.compile(rf"GPU-{_UUID}|MIG-{_UUID}|MIG-GPU-{_UUID}/[0-9]+/[0-9]+")
 _JIT_INDEX_RE = re.compile(r"([0-9]{1,10})(?::([0-9]{1,10}))?")
 _MAX_LISTED = 16
-MAX_CONSTRAINTS = 512
-"""Constraints that one container's NVIDIA_REQUIRE_* variables may write in all. A CUDA
-12 image's NVIDIA_REQUIRE_CUDA writes 91 to 124 (cuda>=12.x, and 30 to 41 alternatives
-of a brand and a driver branch); the 16 KiB of env nri-accel reads could write over
-2,000, each parsed and evaluated (once per set of GPU facts) on the event loop: about
-4 ms for each of the two. Counted before any is parsed (_requirements); at the limit,
-the parse and an evaluation cost about 1 ms each."""
 
 
 def mig_enabled(device: Device) -> bool:
@@ -211,7 +202,7 @@ class NvidiaProfile(Profile):
         caps = env.get(ENV_CAPABILITIES)
         options = EnvOptions(
             capabilities=None if caps is None else (f"env {ENV_CAPABILITIES}", caps),
-            requirements=_requirements(env),
+            requirements=requirements_from_env(env),
             legacy=legacy_cuda_image(env),
             mig_config=_mig_caps(env, ENV_MIG_CONFIG),
             mig_monitor=_mig_caps(env, ENV_MIG_MONITOR),
@@ -509,25 +500,6 @@ def parse_capabilities(value: str, source: str) -> tuple[frozenset[str], str]:
         raise RequestError(f"unknown driver capabilities {', '.join(unknown)} (known: all, "
                            f"{', '.join(sorted(ALL_CAPABILITIES))})", source=source)
     return frozenset(names), source
-
-
-def _requirements(env: Mapping[str, str]) -> Requirements | None:
-    """requirements_from_env(), refused before any constraint is parsed when the
-    variables it reads (NVIDIA_REQUIRE_*, not NVIDIA_REQUIRE_JETPACK*, in name order)
-    write more than MAX_CONSTRAINTS: RequestError naming the variable that goes over.
-    A constraint is a piece between commas and blanks, empty ones not counted (as
-    parse_requirement skips them)."""
-    if not disabled(env):
-        written = 0
-        for name in sorted(n for n in env if n.startswith(REQUIRE_PREFIX)
-                           and not n.startswith(REQUIRE_JETPACK)):
-            written += len(env[name].replace(",", " ").split())
-            if written > MAX_CONSTRAINTS:
-                raise RequestError(
-                    f"the NVIDIA_REQUIRE_* variables write more than {MAX_CONSTRAINTS} "
-                    "constraints in all (a CUDA image writes about 100)",
-                    source=f"env {name}")
-    return requirements_from_env(env)
 
 
 def _mig_caps(env: Mapping[str, str], var: str) -> bool:

@@ -230,6 +230,15 @@ def legacy_cuda_image(env: Mapping[str, str]) -> bool:
     return bool(env.get(CUDA_VERSION)) and not env.get(REQUIRE_CUDA)
 
 
+MAX_CONSTRAINTS = 512
+"""Constraints that one container's NVIDIA_REQUIRE_* variables may write in all. A CUDA
+12 image's NVIDIA_REQUIRE_CUDA writes 91 to 124 (cuda>=12.x, and 30 to 41 alternatives
+of a brand and a driver branch); the 16 KiB of env nri-accel reads could write over
+2,000, each parsed and evaluated (once per set of GPU facts) on the event loop: about
+4 ms for each of the two. Counted before any is parsed (requirements_from_env); at the
+limit, the parse and an evaluation cost about 1 ms each."""
+
+
 def disabled(env: Mapping[str, str]) -> bool:
     """NVIDIA_DISABLE_REQUIRE parsed as Go's strconv.ParseBool (invalid means false)."""
     return env.get(DISABLE_REQUIRE, "") in _GO_TRUE
@@ -243,11 +252,16 @@ def requirements_from_env(env: Mapping[str, str]) -> Requirements | None:
     """
     if disabled(env):
         return None
-    items = [
-        parse_requirement(f"env {name}", env[name])
-        for name in sorted(env)
-        if name.startswith(REQUIRE_PREFIX) and not name.startswith(REQUIRE_JETPACK)
-    ]
+    names = [name for name in sorted(env)
+             if name.startswith(REQUIRE_PREFIX) and not name.startswith(REQUIRE_JETPACK)]
+    written = 0  # constraints: the pieces between commas and blanks, as parsing splits
+    for name in names:
+        written += len(env[name].replace(",", " ").split())
+        if written > MAX_CONSTRAINTS:  # refused before any is parsed
+            raise RequestError(f"the NVIDIA_REQUIRE_* variables write more than "
+                               f"{MAX_CONSTRAINTS} constraints in all (a CUDA image "
+                               "writes about 100)", source=f"env {name}")
+    items = [parse_requirement(f"env {name}", env[name]) for name in names]
     if legacy_cuda_image(env):
         m = _SEMVER_RE.fullmatch(env[CUDA_VERSION])
         if m is None:
