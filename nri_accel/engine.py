@@ -113,6 +113,14 @@ class Engine:
         self._shared_kinds = frozenset(config.devices.shared_kinds)
         self._lock = threading.Lock()
         self.holdings = Holdings()
+        # holds(container_id, pod, container_name): whether a create of this container
+        # (`pod`: its sandbox id, else its pod's uid) would replace a recorded grant,
+        # which plan() and commit() then release. Asked of every container created, it
+        # is the holdings' own, read without the lock (60 % of a locked call) or a call
+        # of the Engine's: two dict lookups, each whole under the GIL, and a grant being
+        # recorded or released meanwhile, by another thread, is not this container's,
+        # whose create is the one asking.
+        self.holds = self.holdings.holds
         self._discovered = inventory  # what discovery found; health marks go on top
         self._unhealthy: dict[str, Mapping[str, str]] = {}  # family -> key -> reason
         self._tables = self._compile(inventory)
@@ -202,15 +210,6 @@ class Engine:
             granted_by=selection.granted_by,
             checked_at=checked_at,
         )
-
-    def holds(self, container_id: str, pod: str, container_name: str) -> bool:
-        """Whether a create of this container (`pod`: its sandbox id, else its pod's uid)
-        would replace a recorded grant, which plan() and commit() then release. Read
-        without the lock (asked of every container created, it is 60 % of this call):
-        two dict lookups, each whole under the GIL, and a grant being recorded or
-        released meanwhile, by another thread, is not this container's, whose create
-        is the one asking."""
-        return self.holdings.holds(container_id, pod, container_name)
 
     def held_containers(self) -> frozenset[str]:
         """The ids of the containers the holdings record a grant of."""

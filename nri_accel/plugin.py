@@ -18,7 +18,7 @@ nri_accel.nri (stub, adjust, convert).
 Most containers on a node ask for nothing: a CreateContainer whose pod and container
 carry no annotation key and no env entry the request parser reads, and whose creation
 replaces no grant, is answered empty at once: its request decoded only at a glance
-(convert.decode_create), no ContainerInfo, no parse, logged at debug only; every other
+(convert.glance_decoder), no ContainerInfo, no parse, logged at debug only; every other
 one gets the canonical info line, devices or not.
 
 Logs go to stderr, or to --log-file. A plugin the runtime launches itself
@@ -43,7 +43,6 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterator
-from functools import partial
 from logging import DEBUG
 from typing import Any
 
@@ -101,9 +100,9 @@ class AccelPlugin:
         # env, is one the request parser reads (else Engine.plan would answer an
         # empty adjustment; an env that sets a visibility variable is read, and
         # rewritten).
-        self.request_decoders = {**convert.REQUEST_DECODERS, "CreateContainer": partial(
-            convert.decode_create, asks=convert.mention_test(ANNOTATION_PREFIXES,
-                                                             ENV_PREFIXES, ENV_SCOPE))}
+        self.request_decoders = {**convert.REQUEST_DECODERS, "CreateContainer":
+                                 convert.glance_decoder(ANNOTATION_PREFIXES, ENV_PREFIXES,
+                                                        ENV_SCOPE)}
         self.engine = engine
         self._on_change = on_change or (lambda: None)
         self.requests = RequestRecorder.for_events(RUN_EVENTS)
@@ -157,7 +156,7 @@ class AccelPlugin:
             # would release), they are answered at once, empty (the stub sends b""),
             # without a ContainerInfo, a parse or an info line (about a tenth of what
             # the full path costs; bench_roundtrip.py).
-            self._created.record(OK, (time.perf_counter_ns() - started) / 1e9)
+            self._created.record_quick(time.perf_counter_ns() - started)
             if log.is_enabled_for(DEBUG):
                 log.debug("container_created", container_id=container.id, devices=[],
                           asked="nothing")

@@ -121,6 +121,44 @@ def test_counters_and_the_histogram_move_when_requests_are_recorded() -> None:
     serve(metrics, scenario)
 
 
+@pytest.mark.parametrize("quick_first", [True, False], ids=["quick first", "locked first"])
+def test_quick_records_count_as_ok_requests_in_their_buckets_and_sum(quick_first: bool) -> None:
+    # record_quick() (the containers that ask for nothing, on the event loop) keeps
+    # counts of its own: a scrape shows them added to record()'s, in the same series
+    requests = RequestRecorder.for_events(RUN_EVENTS)
+    create = requests["create_container"]
+
+    def quick() -> None:
+        for ns in (3_000, 10_000, 10_001, 2_500_000_000):  # 10 us: le="1e-05" holds it
+            create.record_quick(ns)
+
+    async def scenario(server: MetricsServer, address: str) -> None:
+        if quick_first:
+            quick()
+        create.record(OK, 42e-6)
+        create.record(REFUSED, 0.003)
+        if not quick_first:
+            quick()
+        after = await asyncio.to_thread(scrape, address)
+
+        def bucket(le: str) -> float:
+            return after.value("nri_accel_request_duration_seconds_bucket",
+                               event="create_container", le=le)
+
+        assert after.value("nri_accel_requests_total", event="create_container",
+                           outcome=OK) == 5
+        assert after.value("nri_accel_requests_total", event="create_container",
+                           outcome=REFUSED) == 1
+        assert [bucket(le) for le in ("1e-05", "2.5e-05", "5e-05", "0.005", "2.0", "+Inf")
+                ] == [2, 3, 4, 5, 5, 6]
+        assert after.value("nri_accel_request_duration_seconds_count",
+                           event="create_container") == 6
+        assert after.value("nri_accel_request_duration_seconds_sum",
+                           event="create_container") == pytest.approx(2.503065001)
+
+    serve(RunMetrics(requests), scenario)
+
+
 def test_recording_and_config_do_not_load_prometheus_client() -> None:
     # Handlers record always and config validates the address; prometheus_client (45-90
     # ms to import) loads only with nri_accel.metrics.server, when metrics are on.

@@ -271,6 +271,9 @@ class Stub:
         self._handlers = _find_handlers(plugin)
         self._decoders: Mapping[str, Callable[[bytes], Any]] = getattr(
             plugin, "request_decoders", {})
+        self._create_handler = self._handlers.get("create_container")
+        self._create_decode = self._decoders.get("CreateContainer",
+                                                 pb.CreateContainerRequest.FromString)
         self.handled_events = _handled_mask(self._handlers)
         if not self.handled_events:
             raise StubConfigError(
@@ -593,10 +596,15 @@ class Stub:
         return _call(handler, "Shutdown", (), _no_answer)
 
     def _create_container(self, ctx: CallContext, payload: bytes) -> Answer:
-        handler = self._handlers.get("create_container")
+        # Every container created comes this way: its handler and decoder were looked
+        # up once (__init__), and _parse() is inline.
+        handler = self._create_handler
         if handler is None:
             return b""
-        req = _parse(pb.CreateContainerRequest, payload, self._decoders.get("CreateContainer"))
+        try:
+            req = self._create_decode(payload)
+        except DecodeError as exc:
+            raise malformed("CreateContainerRequest", exc) from exc
         return _call(handler, "CreateContainer", (req.pod, req.container), _created)
 
     def _update_container(self, ctx: CallContext, payload: bytes) -> Answer:
@@ -791,10 +799,13 @@ def _call(fn: Callable[..., Any], what: str, args: tuple[Any, ...],
           then: Callable[[Any], bytes]) -> Answer:
     """Answer `then(fn(*args))`: at once when the plugin handler `fn` is a plain function
     (the Endpoint writes it without a task or a loop iteration), as a coroutine when
-    it is async. Its exception becomes a TtrpcError with its message."""
+    it is async. None, most answers, is the empty answer, which every `then` makes
+    of it. Its exception becomes a TtrpcError with its message."""
     try:
         value = fn(*args)
-        if value is not None and inspect.isawaitable(value):  # None: most answers
+        if value is None:
+            return b""
+        if inspect.isawaitable(value):
             return _finish(value, what, then)
     except TtrpcError:
         raise

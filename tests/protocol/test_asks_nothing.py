@@ -410,12 +410,38 @@ def test_what_the_fast_path_answers_empty_the_parser_would_have_asked_nothing_of
     (("devices.nri", "nri-accel.io/grant"), False),  # the first characters of a prefix only
     (("x", "nri-accel.io/granted"), True),
     (("cdi.k8s.io/vendor",), True),  # the shortest prefix, and more
-], ids=["none", "short", "first characters", "a prefix", "the shortest"])
+    (("io.kubernetes.cri.container-name", ""), False),  # no first character of a prefix
+    (("checksum/config", "d"), False),  # first characters, no first n of a prefix
+], ids=["none", "short", "first characters", "a prefix", "the shortest", "the runtime's",
+        "a first character"])
 def test_prefix_test_is_str_startswith_over_any_string(strings: tuple[str, ...],
                                                        expected: bool) -> None:
-    assert convert.prefix_test(ANNOTATION_PREFIXES)(strings) is expected
+    assert convert.PrefixTest(ANNOTATION_PREFIXES)(strings) is expected
     assert any(s.startswith(ANNOTATION_PREFIXES) for s in strings) is expected
-    assert convert.prefix_test(())(strings) is False
+    assert convert.PrefixTest(())(strings) is False
+
+
+@pytest.mark.parametrize("where", ["pod", "container", "env"])
+def test_each_step_of_the_glance_test_passes_a_near_miss_and_stops_at_a_key_it_reads(
+        where: str) -> None:
+    # glance_decoder() tests the pod's keys and the env by their first n characters and
+    # the container's keys by their first character, inline, then the whole PrefixTest
+    # where that finds something: a near miss at any step is still answered at a glance
+    accel = plugin()
+    near = {"pod": "devices.nri.example/x", "container": "cni.projectcalico.org/podIP",
+            "env": "NVIDIA_VISIBLE=0"}
+    read = {"pod": "cdi.k8s.io/x", "container": "devices.nri-accel.io/container.main",
+            "env": "NVIDIA_VISIBLE_DEVICES=0"}
+    for text, asks in ((near[where], False), (read[where], True)):
+        annotations = {text: "vendor.com/class=a"} if where != "env" else {}
+        pod = make_pod({"name": "p", "annotations": annotations if where == "pod" else {}})
+        ctr = make_container(pod, {
+            "name": "main", "env": ["PATH=/bin", *([text] if where == "env" else [])],
+            "annotations": {"io.kubernetes.cri.container-type": "container",
+                            **(annotations if where == "container" else {})}})
+        req = served(accel, pod, ctr)
+        assert convert.is_glance(req.container) is not asks, text
+        assert req.container.id == ctr.id and req.pod.id == pod.id
 
 
 def test_a_container_is_read_as_the_large_view_reads_it_keeping_the_keys_the_engine_reads(

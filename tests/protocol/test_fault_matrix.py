@@ -69,6 +69,19 @@ def fd_count(pid: int) -> int:
     return count
 
 
+async def settled_fd_count(pid: int) -> int:
+    """fd_count() once two samples 20 ms apart agree: what the daemon holds, without an
+    fd it opens for an instant (a state write, from its writer thread) that one sample
+    may catch."""
+    count = fd_count(pid)
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+        count, last = fd_count(pid), count
+        if count == last:
+            return count
+    raise AssertionError(f"the daemon's fd count did not settle within 1 s (now {count})")
+
+
 def peak_rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -109,7 +122,7 @@ async def serves_again(sim: Simulator, conn: PluginConn, proc: subprocess.Popen[
     await sim.wait_for_plugin(after=conn, timeout=LIVENESS)
     await answers_a_gpu_request(sim)
     assert proc.poll() is None
-    assert fd_count(proc.pid) == fds
+    assert await settled_fd_count(proc.pid) == fds
 
 
 def create_request(stream_id: int) -> bytes:
@@ -174,7 +187,7 @@ async def test_after_a_fault_the_daemon_serves_again_and_leaks_no_fd(
     data, closes, conn_survives = FAULTS[fault]
     async with Simulator(files["socket"]) as sim:
         conn = await sim.wait_for_plugin("nri-accel", timeout=LIVENESS)
-        fds = fd_count(proc.pid)
+        fds = await settled_fd_count(proc.pid)
         conn.write_raw(data)
         if closes:
             conn.close()
@@ -205,7 +218,7 @@ async def test_a_runtime_that_pipelines_and_stops_reading_gets_bounded_memory_an
 ) -> None:
     requests = 200_000
     async with daemon_with_runtime(daemon_files) as (sim, conn, proc):
-        fds, rss_before = fd_count(proc.pid), peak_rss_kib(proc.pid)
+        fds, rss_before = await settled_fd_count(proc.pid), peak_rss_kib(proc.pid)
         counter = AnswerCounter()
         conn.mux.attach(mux.PLUGIN_SERVICE_CONN, counter.data_received, conn.client.connection_lost)
         await stall_and_pipeline(conn, requests)
@@ -228,8 +241,8 @@ async def test_restarts_in_a_loop_each_mean_one_registration_and_no_fd_leak(
             async with Simulator(daemon_files["socket"]) as sim:
                 await sim.wait_for_plugin("nri-accel", timeout=LIVENESS)
                 await answers_a_gpu_request(sim)
-                fds = fds or fd_count(proc.pid)
-                assert fd_count(proc.pid) == fds
+                fds = fds or await settled_fd_count(proc.pid)
+                assert await settled_fd_count(proc.pid) == fds
     finally:
         assert stop(proc) == 0
     assert [e["event"] for e in log_events(daemon_files)].count("registered") == restarts

@@ -95,7 +95,10 @@ def test_a_json_line_stays_one_line_whatever_a_pod_names() -> None:
 
 
 def test_is_enabled_for_follows_the_latest_configuration() -> None:
-    log.configure(level="info", fmt="json", file=io.StringIO())
-    assert LOG.is_enabled_for(logging.INFO) and not LOG.is_enabled_for(logging.DEBUG)
-    log.configure(level="debug", fmt="json", file=io.StringIO())
-    assert LOG.is_enabled_for(logging.DEBUG)
+    levels = (logging.NOTSET, logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR,
+              logging.CRITICAL)
+    for least in ("info", "debug", "error", "warning"):
+        log.configure(level=least, fmt="json", file=io.StringIO())
+        for _ in range(2):  # as the first call finds it, and as it is kept
+            assert [LOG.is_enabled_for(level) for level in levels] == [
+                level >= logging.getLevelName(least.upper()) for level in levels]
