@@ -21,7 +21,6 @@ is read from structlog's private _CONFIG (the defaults its own lazy proxies read
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time
@@ -35,8 +34,10 @@ DEFAULT_PREREGISTERED_LOG = "/var/log/nri-accel.log"
 MAX_LOG_BYTES = 16 << 20
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
-_STANDARD_LEVELS = (logging.NOTSET, logging.DEBUG, logging.INFO, logging.WARNING,
-                    logging.ERROR, logging.CRITICAL)
+_FILTERING_LEAST = {structlog.make_filtering_bound_logger(level): level
+                    for level in (logging.NOTSET, logging.DEBUG, logging.INFO,
+                                  logging.WARNING, logging.ERROR, logging.CRITICAL)}
+"""structlog's filtering wrapper classes (one per level, made once) -> their least level."""
 
 
 class _StderrNow:
@@ -215,21 +216,22 @@ class _Logger:
         return self._bound().exception
 
     def is_enabled_for(self, level: int) -> bool:
-        """Whether a line of `level` (one of the logging module's levels: logging.DEBUG,
-        ...) would be emitted: a guard for a line on the hot path, where even an
-        unemitted call costs its arguments. A filtering wrapper class (structlog's, as
-        configure() sets) decides by its own least level alone, so the least of the
-        logging module's levels it emits is kept while that class stays the configured
-        one, and the test is a comparison: a sixth of the instructions of _bound()'s
-        four checks and a call of the class's own test (it guards the debug line of
-        every container created)."""
+        """Whether a line of `level` (logging.DEBUG, ...) would be emitted: a guard for
+        a line on the hot path, where even an unemitted call costs its arguments.
+        structlog's filtering wrapper classes (configure() sets one) decide by their
+        least level alone, so that level is kept while such a class stays the
+        configured one, and the test is a comparison: a sixth of the instructions of
+        _bound()'s four checks and a call of the class's own test (it guards the debug
+        line of every container created). Any other wrapper class is asked each time."""
         kept = self._level_test
         if kept and kept[0] is _CONFIG.default_wrapper_class:
             return level >= kept[1]  # type: ignore[no-any-return]
         wrapper = _CONFIG.default_wrapper_class
-        test = self._bound().is_enabled_for
-        self._level_test = (wrapper, min(filter(test, _STANDARD_LEVELS), default=math.inf))
-        return test(level)  # type: ignore[no-any-return]
+        least = _FILTERING_LEAST.get(wrapper)
+        if least is None:
+            return self._bound().is_enabled_for(level)  # type: ignore[no-any-return]
+        self._level_test = (wrapper, least)
+        return level >= least
 
     def __getattr__(self, name: str) -> Any:  # the rest of the bound logger's interface
         if name.startswith("__"):  # introspection (copy, abc, inspect): not a log method

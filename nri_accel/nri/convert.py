@@ -418,6 +418,8 @@ class PrefixTest:
     __slots__ = ("first", "firsts", "head", "heads", "starts")
 
     def __init__(self, prefixes: tuple[str, ...]) -> None:
+        if "" in prefixes:  # it would start every string, and have no first character
+            raise ValueError("an empty prefix")
         n = min(map(len, prefixes), default=0)
         self.first = itemgetter(slice(None, 1))
         self.firsts = frozenset(p[:1] for p in prefixes)

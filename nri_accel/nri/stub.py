@@ -272,8 +272,8 @@ class Stub:
         self._decoders: Mapping[str, Callable[[bytes], Any]] = getattr(
             plugin, "request_decoders", {})
         self._create_handler = self._handlers.get("create_container")
-        self._create_decode = self._decoders.get("CreateContainer",
-                                                 pb.CreateContainerRequest.FromString)
+        self._create_decode = (self._decoders.get("CreateContainer")
+                               or pb.CreateContainerRequest.FromString)
         self.handled_events = _handled_mask(self._handlers)
         if not self.handled_events:
             raise StubConfigError(
@@ -799,13 +799,10 @@ def _call(fn: Callable[..., Any], what: str, args: tuple[Any, ...],
           then: Callable[[Any], bytes]) -> Answer:
     """Answer `then(fn(*args))`: at once when the plugin handler `fn` is a plain function
     (the Endpoint writes it without a task or a loop iteration), as a coroutine when
-    it is async. None, most answers, is the empty answer, which every `then` makes
-    of it. Its exception becomes a TtrpcError with its message."""
+    it is async. Its exception becomes a TtrpcError with its message."""
     try:
         value = fn(*args)
-        if value is None:
-            return b""
-        if inspect.isawaitable(value):
+        if value is not None and inspect.isawaitable(value):  # None: most answers
             return _finish(value, what, then)
     except TtrpcError:
         raise

@@ -421,6 +421,12 @@ def test_prefix_test_is_str_startswith_over_any_string(strings: tuple[str, ...],
     assert convert.PrefixTest(())(strings) is False
 
 
+def test_an_empty_prefix_is_refused() -> None:
+    # it would start every string, which the first-character step cannot see
+    with pytest.raises(ValueError, match="an empty prefix"):
+        convert.PrefixTest(("cdi.k8s.io/", ""))
+
+
 @pytest.mark.parametrize("where", ["pod", "container", "env"])
 def test_each_step_of_the_glance_test_passes_a_near_miss_and_stops_at_a_key_it_reads(
         where: str) -> None:

@@ -94,6 +94,24 @@ def test_a_json_line_stays_one_line_whatever_a_pod_names() -> None:
     assert (line["pod"], line["namespace"]) == ('p\n{"event": "forged"}\x1b[2J', "équipe-數")
 
 
+def test_is_enabled_for_asks_a_wrapper_that_is_not_a_filtering_one_each_time() -> None:
+    # structlog's stdlib BoundLogger answers by the standard logger's level of the moment
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.stdlib.BoundLogger,
+                        logger_factory=structlog.stdlib.LoggerFactory(),
+                        processors=[structlog.processors.JSONRenderer()])
+    root = logging.getLogger()
+    before = root.level
+    try:
+        for least in (logging.INFO, logging.DEBUG, logging.ERROR):
+            root.setLevel(least)
+            assert [LOG.is_enabled_for(level) for level in (logging.DEBUG, logging.WARNING)
+                    ] == [least <= logging.DEBUG, least <= logging.WARNING]
+    finally:
+        root.setLevel(before)
+        structlog.configure(**saved)
+
+
 def test_is_enabled_for_follows_the_latest_configuration() -> None:
     levels = (logging.NOTSET, logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR,
               logging.CRITICAL)

@@ -455,6 +455,28 @@ async def test_split_synchronisation_is_collected_and_delivered_once(sock_path: 
     assert plugin.synced[-1] == (1, 1500)
 
 
+@pytest.mark.parametrize("returns", [None, []], ids=["None", "no updates"])
+def test_the_last_synchronize_part_is_logged_with_the_runtimes_counts(returns: Any,
+                                                                    all_logs: None) -> None:
+    # the "synchronized" line comes with the answer to the last part, whatever a plain
+    # synchronize() returns (None, most of them: nri-accel check's probe)
+    class Plain:
+        def synchronize(self, pods: list[Any], containers: list[Any]) -> Any:
+            return returns
+
+        def start_container(self, pod: Any, container: Any) -> None:
+            pass
+
+    stub = Stub(Plain(), Identity("plain", "31"), socket_path="/nonexistent")
+    part = pb.SynchronizeRequest(pods=[pb.PodSandbox(id="p")],
+                                 containers=[pb.Container(id="c1"), pb.Container(id="c2")])
+    with structlog.testing.capture_logs() as logs:
+        answer = stub._synchronize(None, part.SerializeToString())
+    assert answer == b""
+    assert [(e["event"], e["pods"], e["containers"]) for e in logs
+            if e["event"] == "synchronized"] == [("synchronized", 1, 2)]
+
+
 async def test_a_split_synchronisation_delivers_the_runtime_state_field_for_field(
     sock_path: str,
 ) -> None:
