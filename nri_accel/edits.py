@@ -96,6 +96,11 @@ TMPFS_REQUIRED_OPTIONS = ("nosuid", "nodev")  # every tmpfs (it may be written: 
 _DROPPED_MOUNT_OPTIONS = frozenset({"rw", "suid", "dev", "shared", "rshared"})
 _DROPPED_TMPFS_OPTIONS = _DROPPED_MOUNT_OPTIONS - {"rw"}
 _BIND_OPTIONS = frozenset({"bind", "rbind"})
+# A recursive bind mount becomes a plain one: runc makes read-only (and nosuid, nodev)
+# only the top mount of a recursive bind (its remount is not recursive; runc's "rro"
+# needs runc 1.1 and Linux 5.12), so the mounts under its source would stay writable in
+# the container. The host's submounts are then not in the container at all.
+_NOT_RECURSIVE = {"rbind": "bind"}
 BIND_TYPES = frozenset({"bind", "none", ""})  # CDI SPEC.md: a bind mount's type is a dummy
 TMPFS = "tmpfs"
 # What a tmpfs may carry besides the above: mount flags (mount(8) FILESYSTEM-INDEPENDENT
@@ -408,7 +413,7 @@ def check_mount(m: Mount) -> Mount:
                          "socket or its directory")
     if bind:
         check_mount_source(m.host_path)
-        opts = [o for o in m.options if o not in _DROPPED_MOUNT_OPTIONS]
+        opts = [_NOT_RECURSIVE.get(o, o) for o in m.options if o not in _DROPPED_MOUNT_OPTIONS]
         opts += [o for o in REQUIRED_MOUNT_OPTIONS if o not in opts]
         if _BIND_OPTIONS.isdisjoint(opts):
             opts.append("bind")
@@ -633,13 +638,21 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
 
 
 def _own_env(env: Iterable[str], keys: tuple[str, ...]) -> dict[str, str]:
-    """The container's values of the variables `keys` ("KEY=" prefixes), the last
-    definition winning. The entries are filtered in C (str.startswith with a tuple): an
-    env of tens of thousands of entries costs a few milliseconds, not a Python loop."""
+    """The container's values of the variables `keys` ("KEY=" prefixes). The entries are
+    filtered in C (str.startswith with a tuple): an env of tens of thousands of entries
+    costs a few milliseconds, not a Python loop. Raises RequestError for a variable
+    defined twice: the runtime applies an adjustment's value of a variable to its first
+    definition and keeps a later one as it is (containerd's NRI, generate.AdjustEnv), so
+    what nri-accel writes or removes there would be undone (NVIDIA_VISIBLE_DEVICES=all
+    after the void it writes, for a vendor hook installed beside it)."""
     out: dict[str, str] = {}
     if keys:
         for kv in filter(methodcaller("startswith", keys), env):
             key, _, value = kv.partition("=")
+            if key in out:
+                raise RequestError("defined more than once in the container's env, which "
+                                   "nri-accel rewrites and the runtime would rewrite only "
+                                   "once: define it once", source=f"env {key}")
             out[key] = value
     return out
 

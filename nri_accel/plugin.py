@@ -294,16 +294,23 @@ async def _once(saved: Awaitable[None], result: bytes) -> bytes:
 
 def _check_size(size: int, plan: Plan) -> None:
     """Refuse an answer the runtime could not receive (an adjustment of `size` bytes,
-    over the ttrpc message limit, which a huge LD_LIBRARY_PATH echoed back can reach),
-    naming the variable to blame, before anything is held."""
+    over the ttrpc message limit, which a huge LD_LIBRARY_PATH echoed back can reach,
+    or the devices' own edits: CDI specs of thousands of mounts), naming what is most
+    of it, before anything is held."""
     if size <= MAX_ADJUSTMENT_BYTES:
         return
+    over = (f"the answer would be {size} bytes, over the {MAX_MESSAGE_SIZE}-byte limit of "
+            "the runtime's NRI connection")
     biggest = max(plan.edits.env, key=len, default="")
-    name = biggest.partition("=")[0]
-    raise RequestError(f"the answer would be {size} bytes, over the {MAX_MESSAGE_SIZE}-byte "
-                       "limit of the runtime's NRI connection, mostly this variable's "
-                       f"value ({len(biggest)} bytes) that nri-accel extends: shorten it",
-                       source=f"env {name}" if name else "container")
+    if len(biggest) * 2 > size:  # most of it
+        raise RequestError(f"{over}, mostly this variable's value ({len(biggest)} bytes) "
+                           "that nri-accel extends: shorten it",
+                           source=f"env {biggest.partition('=')[0]}")
+    edits = plan.edits
+    raise RequestError(f"{over}, mostly the edits of the devices asked for "
+                       f"({len(edits.device_nodes)} device nodes, {len(edits.mounts)} mounts, "
+                       f"{len(edits.env)} env entries, {len(edits.hooks)} hooks): ask for "
+                       "fewer devices at once", source="container")
 
 
 def _shown(text: str, limit: int = 256) -> str:

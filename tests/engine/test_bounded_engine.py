@@ -33,9 +33,20 @@ def library_paths(n: int) -> tuple[str, ...]:
 
 
 def test_env_the_edits_read_at_the_limit_is_served(engine: Engine) -> None:
-    plan = engine.plan(container(annotations=GPU, env=library_paths(MAX_ENV_ENTRIES)))
+    requirements = (f"NVIDIA_REQUIRE_T{i}=cuda>=1.0" for i in range(MAX_ENV_ENTRIES - 1))
+    plan = engine.plan(container(annotations=GPU,
+                                 env=("LD_LIBRARY_PATH=/opt/lib", *requirements)))
     (path,) = (kv for kv in plan.edits.env if kv.startswith("LD_LIBRARY_PATH="))
-    assert path.startswith(f"LD_LIBRARY_PATH=/opt/lib{MAX_ENV_ENTRIES - 1}:")  # the last wins
+    assert path.startswith("LD_LIBRARY_PATH=/opt/lib:")
+
+
+def test_env_at_the_limit_defining_a_variable_the_edits_rewrite_twice_is_refused(
+        engine: Engine) -> None:
+    # read, then refused: the runtime would apply the rewrite to the first definition only
+    with pytest.raises(RequestError) as err:
+        engine.plan(container(annotations=GPU, env=library_paths(MAX_ENV_ENTRIES)))
+    assert err.value.source == "env LD_LIBRARY_PATH"
+    assert "defined more than once" in err.value.message
 
 
 def test_env_the_edits_read_past_the_limit_is_refused_before_they_read_it(

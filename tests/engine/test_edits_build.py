@@ -390,9 +390,19 @@ def test_mount_options_always_include_ro_nosuid_nodev():
     assert [m.options for m in checked.mounts] == [
         ("noexec", "ro", "nosuid", "nodev", "bind"),
         ("ro", "nosuid", "nodev", "bind"),
-        ("rbind", "ro", "nosuid", "nodev"),
+        ("bind", "ro", "nosuid", "nodev"),  # not recursive: see the next test
     ]
     assert all(m.type == "bind" for m in checked.mounts)
+
+
+def test_a_recursive_bind_mount_becomes_a_plain_one() -> None:
+    # runc remounts only the top mount of a recursive bind read-only (and nosuid, nodev):
+    # the mounts under its source would stay writable in the container
+    checked = check_edits(ContainerEdits(mounts=(
+        Mount("/opt/driver", "/opt/driver", type="none", options=("rbind", "rprivate")),)))
+    (mount,) = checked.mounts
+    assert "rbind" not in mount.options and "bind" in mount.options
+    assert {"ro", "nosuid", "nodev"} <= set(mount.options)
 
 
 def test_every_demo_mount_is_read_only_nosuid_nodev():

@@ -246,6 +246,17 @@ def test_untrusted_image_env_all_grants_nothing_and_says_why(engine):
     assert "not granted" in plan.notes[0]
 
 
+@pytest.mark.parametrize("namespace", ["sandbox", "research"])
+def test_a_visibility_variable_defined_twice_is_refused(engine, namespace):
+    # containerd's NRI applies an adjustment's value to a variable's first definition and
+    # keeps a later one: NVIDIA_VISIBLE_DEVICES=all would survive the void written here
+    env = ("NVIDIA_VISIBLE_DEVICES=void", "PATH=/bin", "NVIDIA_VISIBLE_DEVICES=all")
+    with pytest.raises(RequestError) as e:
+        admit(engine, container(namespace=namespace, env=env))
+    assert e.value.source == "env NVIDIA_VISIBLE_DEVICES"
+    assert "defined more than once" in e.value.message
+
+
 def test_unknown_ids_fail_naming_the_source(engine):
     with pytest.raises(NotFoundError) as e:
         admit(engine, allocated("nvidia.com/gpu=GPU-00000000-0000-0000-0000-000000000000"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -60,11 +61,19 @@ def test_an_answer_over_the_message_limit_is_refused_before_anything_is_held(mon
     monkeypatch.setattr(plugin, "MAX_ADJUSTMENT_BYTES", 1000)
     engine = Engine(demo_inventory(), STANDALONE)
     pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 2"}})
-    ctr = make_container(pod, {"name": "main", "env": ["LD_LIBRARY_PATH=" + "/x" * 400]})
+    ctr = make_container(pod, {"name": "main", "env": ["LD_LIBRARY_PATH=" + "/x" * 4000]})
     with pytest.raises(RequestError) as e:
         AccelPlugin(engine).create_container(pod, ctr)
     assert e.value.source == "env LD_LIBRARY_PATH"
     assert "limit of the runtime's NRI connection" in e.value.message
+    assert held(engine) == {}
+    # where the variable is not most of it, the devices' edits are named, counted
+    ctr = make_container(pod, {"name": "main", "env": ["LD_LIBRARY_PATH=/x"]})
+    with pytest.raises(RequestError) as e:
+        AccelPlugin(engine).create_container(pod, ctr)
+    assert e.value.source == "container"
+    assert re.search(r"mostly the edits of the devices asked for \(\d+ device nodes, \d+ "
+                     r"mounts, \d+ env entries, 0 hooks\)", e.value.message)
     assert held(engine) == {}
 
 
