@@ -51,10 +51,11 @@ from types import MappingProxyType
 from msgspec import Struct
 
 from nri_accel.config import Config, extended_resource_name_error
-from nri_accel.errors import AllocationError, cut
+from nri_accel.errors import AllocationError, NotFoundError, RequestError, cut
 from nri_accel.inventory import Device, Inventory, Problem
 from nri_accel.request import GRANT_KEY_PREFIX
 from nri_accel.select import REPLICA_SEPARATOR
+from nri_accel.syntax import MAX_IDS, MAX_VALUE_BYTES
 from nri_accel.topology import Topology, choose
 from nri_accel.vendors import PROFILES, family_of, parent_of
 
@@ -258,7 +259,7 @@ def request_size_problem(resource: Resource, containers: int, id_counts: Iterabl
     if containers > MAX_CONTAINER_REQUESTS:
         return (f"{resource.name}: {containers} container requests in one call, more "
                 f"than the limit of {MAX_CONTAINER_REQUESTS} (kubelet sends one)")
-    limit = len(resource.devices) * resource.replicas  # time-slicing: each N times
+    limit = len(resource.devices)  # with time-slicing, each replica is one of them
     for n in id_counts:
         if n > limit:
             return (f"{resource.name}: a container request names {n} device IDs, more than "
@@ -269,15 +270,30 @@ def request_size_problem(resource: Resource, containers: int, id_counts: Iterabl
 def allocate(resource: Resource, device_ids: Iterable[str]) -> Grant:
     """The grant for one container's devices (inventory order, de-duplicated).
 
-    Raises AllocationError naming the first ID this resource does not have.
+    Raises NotFoundError naming the first ID this resource does not have;
+    AllocationError naming the first device the last ListAndWatch sent as Unhealthy
+    (kubelet may allocate one that turned so after it chose: the NRI side would refuse
+    it at CreateContainer, after the pod was admitted, on every retry); RequestError for
+    a grant the NRI side could not read (more devices, or a longer annotation value,
+    than it reads of one: syntax.MAX_IDS, MAX_VALUE_BYTES).
     """
     positions = set()
     for did in device_ids:
-        if resource.device(did) is None:
-            raise AllocationError(f"unknown device ID {shown_id(did)!r}", source=resource.name)
+        device = resource.device(did)
+        if device is None:
+            raise NotFoundError(f"unknown device ID {shown_id(did)!r}", source=resource.name)
+        if not device.healthy:
+            raise AllocationError(f"device ID {shown_id(did)!r} is {UNHEALTHY}",
+                                  source=resource.name)
         positions.add(resource.position(did))
     devices = [resource.devices[i] for i in sorted(positions)]
     value = ",".join(d.qualified_name for d in devices)
+    if len(devices) > MAX_IDS or len(value.encode()) > MAX_VALUE_BYTES:
+        raise RequestError(
+            f"{len(devices)} devices, a grant of {len(value.encode())} bytes: more than "
+            f"`nri-accel run` reads of one container's grant ({MAX_IDS} devices, "
+            f"{MAX_VALUE_BYTES} bytes); request fewer for one container",
+            source=resource.name)
     return Grant(
         annotations=MappingProxyType({resource.annotation_key: value}),
         cdi_devices=tuple(d.cdi_name for d in devices if d.cdi_name),

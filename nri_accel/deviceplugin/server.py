@@ -96,9 +96,10 @@ from nri_accel.deviceplugin.resources import (
     preferred_allocation,
     request_size_problem,
     resources_from_inventory,
+    shown_id,
     shown_ids,
 )
-from nri_accel.errors import AllocationError, ConfigError
+from nri_accel.errors import AllocationError, ConfigError, NotFoundError, RequestError
 from nri_accel.health import HealthWatches
 from nri_accel.inventory import Inventory
 from nri_accel.log import get_logger
@@ -163,6 +164,12 @@ def _device_list(resource: Resource, closed: bool) -> pb2.ListAndWatchResponse:
         if d.numa_node is not None:
             dev.topology.nodes.add(ID=d.numa_node)
     return out
+
+
+_ALLOCATE_STATUS = {NotFoundError: grpc.StatusCode.NOT_FOUND,
+                    AllocationError: grpc.StatusCode.FAILED_PRECONDITION}
+"""The status of an Allocate refused by resources.allocate(), by its error's type (a
+RequestError, over what the NRI side reads: INVALID_ARGUMENT)."""
 
 
 class _Refused(Exception):
@@ -242,21 +249,30 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
         for creq in creqs:
             try:
                 grant = allocate(resource, creq.devices_ids)
-            except AllocationError as e:
+            except RequestError as e:
                 log.warning("allocate_refused", resource=resource.name, error=str(e))
-                raise _Refused(grpc.StatusCode.NOT_FOUND, str(e)) from e
+                raise _Refused(_ALLOCATE_STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT),
+                               str(e)) from e
             resp = out.container_responses.add()
             resp.annotations.update(grant.annotations)
             for name in grant.cdi_devices:
                 resp.cdi_devices.add(name=name)
-            log.info("allocated", resource=resource.name,
+            log.info("allocated", resource=resource.name,  # at most MAX_VALUE_BYTES
                      devices=grant.annotations[resource.annotation_key],
                      cdi_devices=list(grant.cdi_devices))
         return out
 
     def _pre_start(self, request: Any) -> pb2.PreStartContainerResponse:
-        self._require_nri("pre_start_refused", self._endpoint.resource.name,
-                          shown_ids(request.devices_ids))
+        resource = self._endpoint.resource
+        self._require_nri("pre_start_refused", resource.name, shown_ids(request.devices_ids))
+        sick = [i for i in request.devices_ids[:]
+                if (device := resource.device(i)) is not None and not device.healthy]
+        if sick:
+            message = (f"{resource.name}: device ID {shown_id(sick[0])!r} is {UNHEALTHY} "
+                       "(sent so since it was allocated)")
+            log.warning("pre_start_refused", resource=resource.name, devices=shown_ids(sick),
+                        reason=message)
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, message)
         return pb2.PreStartContainerResponse()
 
     def _require_nri(self, event: str, resource: str, devices: list[Any]) -> None:

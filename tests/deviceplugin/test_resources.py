@@ -16,10 +16,11 @@ from nri_accel.deviceplugin.resources import (
     preferred_allocation,
     resources_from_inventory,
 )
-from nri_accel.errors import AllocationError, RequestError
+from nri_accel.errors import AllocationError, NotFoundError, RequestError
 from nri_accel.inventory import Device, Inventory
 from nri_accel.policy import Policy
 from nri_accel.select import DeviceIndex, choose
+from nri_accel.syntax import MAX_IDS, MAX_VALUE_BYTES
 from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG
 
 from .conftest import GPU0, GPU1, GPU2, MIG_A, MIG_B, MIG_C, NODE_CONFIG, node_inventory
@@ -248,22 +249,52 @@ def test_cdi_passthrough_names_only_cdi_spec_devices() -> None:
 
 def test_grant_lists_qualified_names_in_inventory_order_once() -> None:
     r = _by_name(resources_from_inventory(node_inventory(), NODE_CONFIG)[0])
-    grant = allocate(r["nvidia.com/gpu"], [GPU2, GPU0, GPU2])
+    grant = allocate(r["acme.example/npu"], ["npu1", "npu0", "npu1"])
     assert dict(grant.annotations) == {
-        "devices.nri-accel.io/resource.nvidia.com_gpu":
-            f"nvidia.com/gpu={GPU0},nvidia.com/gpu={GPU2}"}
+        "devices.nri-accel.io/resource.acme.example_npu":
+            "acme.example/npu=npu0,acme.example/npu=npu1"}
     assert grant.cdi_devices == ()
+    gpu = allocate(r["nvidia.com/gpu"], [GPU0])
+    assert dict(gpu.annotations) == {
+        "devices.nri-accel.io/resource.nvidia.com_gpu": f"nvidia.com/gpu={GPU0}"}
     mig = allocate(r["nvidia.com/mig-1g.10gb"], [MIG_B])
     assert dict(mig.annotations) == {
         "devices.nri-accel.io/resource.nvidia.com_mig-1g.10gb": f"nvidia.com/mig={MIG_B}"}
 
 
-def test_grant_of_an_unknown_device_names_it_and_the_resource() -> None:
+def test_grant_of_an_unhealthy_device_is_refused_naming_it() -> None:
+    # kubelet may allocate a device that turned Unhealthy after it chose: refused here,
+    # at admission, where the NRI side would refuse it at every CreateContainer retry
     r = _by_name(resources_from_inventory(node_inventory(), NODE_CONFIG)[0])
     with pytest.raises(AllocationError) as e:
+        allocate(r["nvidia.com/gpu"], [GPU0, GPU2])
+    assert type(e.value) is AllocationError
+    assert str(e.value) == f"nvidia.com/gpu: device ID {GPU2!r} is Unhealthy"
+
+
+def test_a_grant_the_nri_side_could_not_read_is_refused() -> None:
+    # more devices than `run` reads of one grant annotation (syntax.MAX_IDS), or a longer
+    # value (MAX_VALUE_BYTES): refused at Allocate, not at every CreateContainer
+    many = Inventory(devices=tuple(Device("a.io/n", f"{i:x}") for i in range(MAX_IDS + 1)))
+    (npus,) = resources_from_inventory(many, NODE_CONFIG)[0]
+    assert allocate(npus, [f"{i:x}" for i in range(MAX_IDS)]).annotations
+    with pytest.raises(RequestError) as e:
+        allocate(npus, [f"{i:x}" for i in range(MAX_IDS + 1)])
+    assert type(e.value) is RequestError
+    assert f"more than `nri-accel run` reads of one container's grant ({MAX_IDS} devices" \
+        in str(e.value)
+    long = Inventory(devices=tuple(Device("acme.example/npu", f"n{i:055d}") for i in range(80)))
+    (longs,) = resources_from_inventory(long, NODE_CONFIG)[0]
+    with pytest.raises(RequestError, match=f"{MAX_VALUE_BYTES} bytes"):
+        allocate(longs, [d.id for d in longs.devices])
+
+
+def test_grant_of_an_unknown_device_names_it_and_the_resource() -> None:
+    r = _by_name(resources_from_inventory(node_inventory(), NODE_CONFIG)[0])
+    with pytest.raises(NotFoundError) as e:
         allocate(r["nvidia.com/gpu"], [GPU0, GPU1])  # GPU1 is in MIG mode
     assert str(e.value) == f"nvidia.com/gpu: unknown device ID {GPU1!r}"
-    with pytest.raises(AllocationError, match=r"unknown device ID 'xxxx.*\.\.\.'$"):
+    with pytest.raises(NotFoundError, match=r"unknown device ID 'xxxx.*\.\.\.'$"):
         allocate(r["nvidia.com/gpu"], ["x" * 500])
 
 

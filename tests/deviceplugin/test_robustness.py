@@ -240,8 +240,9 @@ def test_request_limits_and_shown_ids() -> None:
         request_size_problem(gpu, 1, [1]))
     # time-slicing: each device is advertised `replicas` times, and kubelet may give
     # one container several replicas
-    two = tuple(PluginDevice(f"GPU-{x}", f"nvidia.com/gpu=GPU-{x}") for x in "ab")
-    sliced = Resource("nvidia.com/gpu", two, replicas=4)
+    eight = tuple(PluginDevice(f"GPU-{x}::{n}", f"nvidia.com/gpu=GPU-{x}::{n}")
+                  for x in "ab" for n in range(4))  # as resources_from_inventory lists them
+    sliced = Resource("nvidia.com/gpu", eight, replicas=4)
     assert request_size_problem(sliced, 1, [8]) == ""
     assert "names 9 device IDs, more than the 8 this resource advertises" in (
         request_size_problem(sliced, 1, [9]))
