@@ -47,14 +47,16 @@ OnFamilyHealth = Callable[[str, Mapping[str, str]], None]  # family, Device.key 
 class HealthWatches:
     """Each family's health watch over the current inventory, reporting
     `on_health(family, unhealthy)` on the loop. update() with each new Inventory
-    restarts the watch of a family whose devices changed (its marks start over, and
-    it reports an empty map first); stop() ends them all."""
+    restarts the watch of a family whose devices changed: the marks of the devices it
+    still has carry over (reported first, and unhealthy in the new watch until it
+    rechecks them), those of the devices gone are dropped; stop() ends them all."""
 
     def __init__(self, root: HostRoot, config: Config, on_health: OnFamilyHealth) -> None:
         self._root = root
         self._config = config
         self._on_health = on_health
         self._watches: dict[str, tuple[tuple[str, ...], HealthWatch | None]] = {}
+        self._reported: dict[str, Mapping[str, str]] = {}  # family -> its latest map
 
     async def update(self, inventory: Inventory) -> None:
         for profile in PROFILES:
@@ -67,18 +69,26 @@ class HealthWatches:
                 await asyncio.to_thread(current[1].stop)
                 log.info("health_watch_restarted", family=profile.name,
                          reason="the family's devices changed")
-            self._on_health(profile.name, {})
+            present = set(keys)
+            kept = {k: why for k, why in self._reported.get(profile.name, {}).items()
+                    if k in present}
+            self._report(profile.name, kept)
             watch = None
             if keys:
                 name = profile.name
 
                 def report(unhealthy: Mapping[str, str], name: str = name) -> None:
-                    self._on_health(name, unhealthy)
+                    self._report(name, unhealthy)
 
-                watch = profile.health_monitor(self._root, inventory, self._config, report)
+                watch = profile.health_monitor(self._root, inventory, self._config, report,
+                                               kept)
                 if watch is not None:
                     watch.start()
             self._watches[profile.name] = (keys, watch)
+
+    def _report(self, family: str, unhealthy: Mapping[str, str]) -> None:
+        self._reported[family] = unhealthy
+        self._on_health(family, unhealthy)
 
     async def stop(self) -> None:
         watches = [w for _, w in self._watches.values() if w is not None]

@@ -294,7 +294,9 @@ class Profile:
         """Raise ValueError when the family's `devices` cannot be advertised as configured."""
 
     def health_monitor(self, root: HostRoot, inventory: Any, config: Config,
-                       on_change: OnHealthChange) -> HealthWatch | None:
+                       on_change: OnHealthChange,
+                       marked: Mapping[str, str] = MappingProxyType({}),
+                       ) -> HealthWatch | None:
         return None
 
     def partition(self, device: Device, inventory: Any) -> str:

@@ -10,6 +10,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fakes.nvml import build
@@ -22,6 +23,8 @@ from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
 from nri_accel.deviceplugin.server import serve
 from nri_accel.discover import discover
 from nri_accel.discover.hostroot import HostRoot
+from nri_accel.health import carry_vanished
+from nri_accel.inventory import Inventory
 
 from .conftest import FakeNriSide, health
 from .fake_kubelet import WAIT, FakeKubelet
@@ -52,10 +55,19 @@ class Serving:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self._stop = asyncio.run_coroutine_threadsafe(self._event(), self.loop).result(WAIT)
-        inventory = discover(root, config)
+        self.inventory = discover(root, config)
+        self._on_refresh: Any = None
         self._done = asyncio.run_coroutine_threadsafe(serve(
-            inventory, kubelet_dir, stop=self._stop, config=config, root=root,
-            poll_interval=0.05), self.loop)
+            self.inventory, kubelet_dir, stop=self._stop, config=config, root=root,
+            poll_interval=0.05, refresher=self._refresher), self.loop)
+
+    def _refresher(self, on_change: Any) -> None:
+        """serve()'s refresher: none runs; refresh() hands it an inventory instead."""
+        self._on_refresh = on_change
+
+    def refresh(self, inventory: Inventory) -> None:
+        """What the Refresher hands on after a discovery that found `inventory`."""
+        asyncio.run_coroutine_threadsafe(self._on_refresh(inventory), self.loop).result(WAIT)
 
     @staticmethod
     async def _event() -> asyncio.Event:
@@ -105,6 +117,35 @@ def test_an_xid_turns_one_gpu_unhealthy_and_a_quiet_recheck_brings_it_back(
     again = kubelet.wait_list(gpu, lambda r: _states(r)[H100[1]] == "Healthy",
                               "GPU 1 Healthy again", after=unhealthy)
     assert _states(again) == dict.fromkeys(H100, "Healthy")
+
+
+def test_a_mark_survives_a_refresh_that_changes_other_devices(
+        h100: HostRoot, kubelet: FakeKubelet, nri_side: FakeNriSide) -> None:
+    # the family's watch restarts (another GPU vanished), and GPU 1's mark carries over
+    # until its recheck: an hour away here
+    config = Config(discovery=DiscoveryConfig(refresh_interval=0),
+                    health=HealthConfig(enabled=True, recheck_interval=3600),
+                    state_dir=nri_side.state_dir)
+    s = Serving(h100, kubelet.directory, config)
+    try:
+        gpu = kubelet.wait_registered("nvidia.com/gpu")
+        unhealthy = None
+        for _ in range(int(WAIT / 0.5)):
+            inject(h100, f"xid {H100[1]} 48")
+            unhealthy = kubelet.wait_list(gpu, lambda r: _states(r)[H100[1]] == "Unhealthy",
+                                          timeout=0.5, fail=False)
+            if unhealthy is not None:
+                break
+        assert unhealthy is not None, "GPU 1 never turned Unhealthy after XID 48"
+        without_3 = Inventory(devices=tuple(d for d in s.inventory.devices
+                                            if d.uuid != H100[3]))
+        s.refresh(carry_vanished(s.inventory, without_3))
+        after = kubelet.wait_list(gpu, lambda r: _states(r)[H100[3]] == "Unhealthy",
+                                  "GPU 3 Unhealthy once vanished", after=unhealthy)
+        assert _states(after) == {H100[0]: "Healthy", H100[1]: "Unhealthy",
+                                  H100[2]: "Healthy", H100[3]: "Unhealthy"}
+    finally:
+        s.stop()
 
 
 def test_health_watch_is_off_when_disabled(h100: HostRoot, kubelet: FakeKubelet,

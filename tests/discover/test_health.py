@@ -115,6 +115,23 @@ def test_a_failed_watch_marks_every_device() -> None:
     assert len(s.unhealthy()) == len(DEVICES)
 
 
+def test_an_earlier_watchs_marks_start_unhealthy_and_are_rechecked_an_interval_on() -> None:
+    s = HealthState(DEVICES, INTERVAL, marked={GPU_B: "XID 48", "GPU-gone": "XID 79"},
+                    now=100.0)
+    assert s.unhealthy() == {GPU_B: "XID 48"}  # a device not followed any more is dropped
+    assert s.due(100.0 + INTERVAL - 1) == []
+    assert s.due(100.0 + INTERVAL) == [WatchedDevice(GPU_B)]
+
+
+def test_what_a_check_finds_is_marked_and_a_mark_already_there_kept() -> None:
+    s = state()
+    s.apply(GpuEvent(GPU_B, "xid", 79), 0.0)
+    assert s.found({GPU_A: "row remapping pending a GPU reset", GPU_B: "GPU lost"}, 5.0)
+    assert s.unhealthy() == {GPU_A: "row remapping pending a GPU reset", GPU_B: "XID 79"}
+    assert s.found({GPU_A: "again"}, 6.0) is False
+    assert [d.uuid for d in s.devices] == sorted(d.uuid for d in DEVICES)
+
+
 def test_recheck_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="recheck_interval"):
         HealthState(DEVICES, 0)

@@ -45,14 +45,15 @@ def devices_of(n: FakeNode) -> list[WatchedDevice]:
 
 
 def run(n: FakeNode, scenario: Scenario, *, recheck_interval: float = 3600.0,
-        ignored_xids: tuple[int, ...] = ()) -> None:
+        ignored_xids: tuple[int, ...] = (), marked: Mapping[str, str] | None = None) -> None:
     """Start a monitor of every device of `n`, wait until it watches, play `scenario`
     with the queue of delivered maps, stop the monitor; no monitor thread may be left."""
 
     async def main() -> None:
         changes: Changes = asyncio.Queue()
         monitor = HealthMonitor(n.lib, devices_of(n), on_change=changes.put_nowait,
-                                ignored_xids=ignored_xids, recheck_interval=recheck_interval)
+                                ignored_xids=ignored_xids, recheck_interval=recheck_interval,
+                                marked=marked or {})
         monitor.start()
         try:
             assert await asyncio.to_thread(monitor.watching, BOUND)
@@ -103,6 +104,29 @@ def test_xid_of_a_mig_device_marks_that_mig_device_only(node) -> None:
             MIG_1_GI1_CI1: "XID 94", A100_0: "XID 79", **dict.fromkeys(A100_0_MIGS, "XID 79")}
 
     run(n, scenario)
+
+
+def test_a_repair_pending_before_any_event_is_found_when_the_watch_opens(node) -> None:
+    # a row remapping that waits for a GPU reset raises no event of its own: the watch
+    # checks every GPU as it opens, and the GPU is unhealthy until it is reset
+    n = node("h100")
+    n.set_gpu_key(H100[1], "row_remapping 0 1 1 0")
+
+    async def scenario(changes: Changes) -> None:
+        assert await next_change(changes) == {H100[1]: "row remapping pending a GPU reset"}
+        n.inject(f"reset {H100[1]}")
+        assert await next_change(changes) == {}
+
+    run(n, scenario, recheck_interval=0.3)
+
+
+def test_an_earlier_watchs_mark_holds_until_its_recheck(node) -> None:
+    n = node("h100")
+
+    async def scenario(changes: Changes) -> None:
+        assert await next_change(changes) == {}  # rechecked after the interval, passed
+
+    run(n, scenario, recheck_interval=0.3, marked={H100[2]: "XID 48"})
 
 
 def test_double_bit_ecc_error_holds_until_the_gpu_is_reset(node) -> None:

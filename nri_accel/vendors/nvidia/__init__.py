@@ -366,10 +366,12 @@ class NvidiaProfile(Profile):
                              "one MIG device type present on node): use \"mixed\"")
 
     def health_monitor(self, root: HostRoot, inventory: Any, config: Config,
-                       on_change: OnHealthChange) -> HealthWatch | None:
+                       on_change: OnHealthChange,
+                       marked: Mapping[str, str] = MappingProxyType({}),
+                       ) -> HealthWatch | None:
         """NVML events of the inventory's GPUs and MIG devices (.health), through the
-        NVML library discovery loads; None when [health] is off, there is no GPU or no
-        libnvidia-ml."""
+        NVML library discovery loads, `marked` (Device.key -> reason) unhealthy from the
+        start; None when [health] is off, there is no GPU or no libnvidia-ml."""
         if not config.health.enabled:
             return None
         from nri_accel.vendors.nvidia.discover import nvml_library
@@ -388,7 +390,8 @@ class NvidiaProfile(Profile):
 
         return HealthMonitor(library, watched, on_change=deliver,
                              ignored_xids=config.health.ignored_xids,
-                             recheck_interval=config.health.recheck_interval)
+                             recheck_interval=config.health.recheck_interval,
+                             marked={u: marked[k] for u, k in keys.items() if k in marked})
 
 
     def partition(self, device: Device, inventory: Any) -> str:

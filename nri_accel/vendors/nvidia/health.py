@@ -30,6 +30,11 @@ the recheck passes, the device is healthy again; if not, its reason gains
 or a new event restarts the quiet period. So a device returns at the earliest
 `recheck_interval` after its last critical event. On a MIG-enabled GPU with active
 instances NVML cannot report row remapping, so that part of the recheck is skipped there.
+Each time the watch opens, every device is checked so once: a repair that was already
+pending (it raises no event of its own) marks the device from the start, with the
+check's reason. A watch that replaces another (nri_accel.health.HealthWatches restarts
+it when the family's devices change) starts with that one's marks of the devices it
+still follows.
 
 The monitor's thread owns its NVML session (nri_accel.discover.nvml explains how it
 coexists with discovery). It waits for events in turns of WAIT_MS, so stop() returns
@@ -106,12 +111,22 @@ class HealthState:
     """The unhealthy devices among `devices` and why. Pure: every method takes the time
     `now` (seconds, monotonic) it is called at; nothing here waits or calls NVML."""
 
-    def __init__(self, devices: Iterable[WatchedDevice], recheck_interval: float) -> None:
+    def __init__(self, devices: Iterable[WatchedDevice], recheck_interval: float, *,
+                 marked: Mapping[str, str] = MappingProxyType({}), now: float = 0.0) -> None:
+        """`marked`: UUID -> reason of devices already unhealthy (an earlier watch's
+        marks), rechecked `recheck_interval` after `now` as a new mark would be."""
         if recheck_interval <= 0:
             raise ValueError("recheck_interval must be > 0")
         self._devices = {d.uuid: d for d in devices}
         self._interval = recheck_interval
-        self._marks: dict[str, _Mark] = {}
+        self._marks: dict[str, _Mark] = {
+            u: _Mark(why, now + recheck_interval) for u, why in marked.items()
+            if u in self._devices}
+
+    @property
+    def devices(self) -> tuple[WatchedDevice, ...]:
+        """The devices followed, sorted by UUID."""
+        return tuple(self._devices[u] for u in sorted(self._devices))
 
     @property
     def gpus(self) -> tuple[str, ...]:
@@ -134,6 +149,15 @@ class HealthState:
     def apply(self, event: nvml.GpuEvent, now: float) -> bool:
         """Mark the devices `event` affects; True if the map of unhealthy devices changed."""
         return self._mark(self.affected(event), reason(event), now)
+
+    def found(self, problems: Mapping[str, str], now: float) -> bool:
+        """Mark the devices a check found unhealthy (UUID -> why) that are not marked
+        already; True if the map changed."""
+        before = self.unhealthy()
+        for uuid, why in problems.items():
+            if uuid in self._devices and uuid not in self._marks:
+                self._marks[uuid] = _Mark(why, now + self._interval)
+        return self.unhealthy() != before
 
     def fail_all(self, cause: str, now: float) -> bool:
         """Mark every device (the watch itself failed); True if the map changed."""
@@ -174,7 +198,10 @@ class HealthMonitor:
     """Follows the health of `devices` through the NVML library file `library_path`
     (the one discovery loaded) in a worker thread, and calls `on_change` on the asyncio
     loop that called start() with the new map (UUID -> reason) of unhealthy devices
-    each time it changes. All devices start healthy.
+    each time it changes. The devices of `marked` (UUID -> reason: an earlier watch's
+    marks) start unhealthy, the others healthy; each time the watch opens, every device
+    is checked once (EventWatch.check), so that one with a repair pending before any
+    event (a row remapping that waits for a GPU reset) is marked from the start.
 
     `ignored_xids`: XIDs that do not make a device unhealthy, besides
     nvml.APPLICATION_XIDS. `recheck_interval`: seconds (> 0) an unhealthy device must
@@ -184,9 +211,11 @@ class HealthMonitor:
     def __init__(self, library_path: str,
                  devices: Iterable[tuple[str, str | None, int | None, int | None]], *,
                  on_change: OnChange, ignored_xids: Iterable[int] = (),
-                 recheck_interval: float = DEFAULT_RECHECK_INTERVAL) -> None:
+                 recheck_interval: float = DEFAULT_RECHECK_INTERVAL,
+                 marked: Mapping[str, str] = MappingProxyType({})) -> None:
         self._library = library_path
-        self._state = HealthState((WatchedDevice(*d) for d in devices), recheck_interval)
+        self._state = HealthState((WatchedDevice(*d) for d in devices), recheck_interval,
+                                  marked=marked, now=time.monotonic())
         self._interval = recheck_interval
         self._ignored = frozenset(ignored_xids)
         self._on_change = on_change
@@ -247,6 +276,8 @@ class HealthMonitor:
     def _follow(self, watch: nvml.EventWatch) -> None:
         for gpu, why in sorted(watch.unwatched.items()):
             log.warning("gpu_health_not_watched", gpu=gpu, reason=why)
+        if self._state.found(_problems(watch, self._state.devices), time.monotonic()):
+            self._publish()
         self._watching.set()
         log.info("health_watch_started", gpus=len(self._state.gpus))
         while not self._stopping.is_set():
@@ -277,3 +308,13 @@ class HealthMonitor:
     def _deliver(self, unhealthy: Mapping[str, str]) -> None:
         if not self._stopping.is_set():
             self._on_change(unhealthy)
+
+
+def _problems(watch: nvml.EventWatch, devices: Iterable[WatchedDevice]) -> dict[str, str]:
+    """UUID -> why, of the `devices` EventWatch.check finds unhealthy now."""
+    found = {}
+    for d in devices:
+        problem = watch.check(d.parent or d.uuid, d.uuid if d.parent else None)
+        if problem is not None:
+            found[d.uuid] = problem
+    return found
