@@ -33,20 +33,31 @@ def file_kind(mode: int) -> str:
 
 
 class UnreadableFile(OSError):
-    """What read_regular() refuses: not a regular file, or larger than its limit."""
+    """What read_regular() refuses: not a regular file, larger than its limit, or (own)
+    another user's to write."""
 
 
-def read_regular(path: str, limit: int, *, follow: bool = True) -> bytes:
+def read_regular(path: str, limit: int, *, follow: bool = True, own: bool = False) -> bytes:
     """The bytes of the regular file at `path`, at most `limit` of them. With `follow`
-    false, a symbolic link at `path` itself is refused (OSError ELOOP). Raises
-    UnreadableFile for anything but a regular file of at most `limit` bytes (its message
-    says what is there), and OSError (FileNotFoundError, ...) when it cannot be opened."""
+    false, a symbolic link at `path` itself is refused (OSError ELOOP); with `own`, a
+    file this process's user does not own, or that its group or others may write (it
+    could have been written by another user: a file this process wrote and reads back).
+    Raises UnreadableFile for anything but a regular file of at most `limit` bytes (its
+    message says what is there), and OSError (FileNotFoundError, ...) when it cannot be
+    opened."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     fd = os.open(path, flags if follow else flags | os.O_NOFOLLOW)
     try:
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
+        mode = st.st_mode
         if not stat.S_ISREG(mode):
             raise UnreadableFile(errno.EINVAL, f"{file_kind(mode)}, not a regular file", path)
+        if own and st.st_uid != os.geteuid():
+            raise UnreadableFile(errno.EPERM, f"owned by uid {st.st_uid}, not by this "
+                                 f"process's ({os.geteuid()})", path)
+        if own and mode & 0o022:
+            raise UnreadableFile(errno.EPERM, f"writable by its group or others (mode "
+                                 f"{stat.S_IMODE(mode):04o})", path)
         chunks: list[bytes] = []
         size = 0
         while size <= limit:  # to the end, or one byte past the limit

@@ -43,8 +43,9 @@ device-manager checkpoint does the same) and read at start:
 A checkpoint of another boot holds nothing (no container survives a reboot). A missing
 one means nri-accel never granted anything on this boot: every `run` writes one before
 it serves (Checkpoint.save on start; a state directory where it cannot be written stops
-`run` there: prepare_state_dir). One that cannot be read leaves the state unknown:
-count requests are then refused (StateError) until a Synchronize tells what runs. It
+`run` there: prepare_state_dir). One that cannot be read (or whose boot id is missing)
+leaves the state unknown: no device is then granted exclusively, counted or named
+(StateError), until a Synchronize tells what runs. It
 is kept for inspection, renamed to `grants.json.unreadable` (replacing an older one,
 so the directory stays bounded), and the log line says where. The unknown state is
 written down ("known": false, with whatever was granted since), so that it outlives
@@ -286,17 +287,24 @@ class Holdings(Struct):
         return _Busy(held | through if through else held, self._grants, mine)
 
     def require_known(self, source: str) -> None:
-        """StateError naming `source` (a count's) while the state is unknown."""
+        """StateError naming `source` (what asked for a device) while the state is
+        unknown: no device is granted exclusively then, counted or named, for any of
+        them may be held by a container nri-accel no longer knows of."""
         if not self.known:
             raise StateError("which devices running containers hold is not known (the "
                              "grant checkpoint could not be read and the runtime has not "
-                             "synchronised yet): a count is refused rather than guessed; "
-                             "named devices are still served", source=source)
+                             "synchronised yet): a device is not granted rather than "
+                             "guessed free", source=source)
 
     def check(self, grant: Grant, source_of: Callable[[str], str] | None = None) -> None:
         """Refuse `grant` if it would take a device another container holds: the one
-        exclusivity rule. `source_of(key)`: what asked for that device (the refusal
-        names the first conflicting device's; asked only then)."""
+        exclusivity rule, which cannot be kept while the state is unknown (a grant of
+        any device exclusively is then refused: require_known). `source_of(key)`: what
+        asked for that device (the refusal names the first conflicting device's; asked
+        only then)."""
+        if grant.exclusive and not self.known:
+            first = min(grant.exclusive)
+            self.require_known(source_of(first) if source_of else "")
         holders, whole, parts = self._holders, self._whole, self._parts
         if holders.keys().isdisjoint(grant.exclusive) and not any(
                 whole.get(key) in holders or not holders.keys().isdisjoint(parts.get(key, ()))
@@ -420,7 +428,7 @@ class Checkpoint:
         (written while unknown)."""
         try:  # what `run` writes is a regular file: a FIFO is never waited on, a link
             # (which `run` never makes) never followed
-            data = read_regular(self.path, MAX_CHECKPOINT_BYTES, follow=False)
+            data = read_regular(self.path, MAX_CHECKPOINT_BYTES, follow=False, own=True)
         except FileNotFoundError:
             log.info("checkpoint_absent", path=self.path,
                      meaning="nothing was granted on this boot")
@@ -442,6 +450,9 @@ class Checkpoint:
             self._unreadable(str(e))
             return [], False
         boot = doc.get("boot_id", "")
+        if self.boot_id and not (isinstance(boot, str) and boot):
+            self._unreadable("boot_id must be the boot's id, a non-empty string")
+            return [], False
         if self.boot_id and boot != self.boot_id:
             log.info("checkpoint_of_another_boot", path=self.path, grants=len(grants),
                      meaning="no container survives a reboot: nothing is held")
@@ -450,7 +461,8 @@ class Checkpoint:
         if not known:
             log.warning("checkpoint_state_unknown", path=self.path, grants=len(grants),
                         meaning="an earlier run could not read its checkpoint and no "
-                                "Synchronize has told what runs since: counts are refused")
+                                "Synchronize has told what runs since: no device is granted "
+                                "exclusively")
         log.info("checkpoint_loaded", path=self.path, grants=len(grants), known=known)
         return grants, known
 
@@ -465,7 +477,7 @@ class Checkpoint:
         except OSError as e:
             kept, failed = None, {"keep_error": e.strerror or str(e)}
         log.error("checkpoint_unreadable", path=self.path, error=error, kept=kept, **failed,
-                  meaning="counts are refused until a Synchronize tells what runs")
+                  meaning="no device is granted exclusively until a Synchronize tells what runs")
 
     def save(self, text: str) -> None:
         """Write `text` (Holdings.to_json) atomically. Raises OSError."""

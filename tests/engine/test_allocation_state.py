@@ -277,20 +277,56 @@ def test_no_checkpoint_means_nothing_granted_on_this_boot(tmp_path: Path):
                                      json.dumps({"version": 1, "grants": [{"x": 1}]}),
                                      json.dumps({"version": 1, "grants": [
                                          {"container_id": "a", "wholes": {"k/p=0": 1}}]})])
-def test_an_unreadable_checkpoint_leaves_counts_refused_until_synchronize(tmp_path: Path,
+def test_an_unreadable_checkpoint_leaves_grants_refused_until_synchronize(tmp_path: Path,
                                                                          content: str):
+    # counted or named, no device is granted exclusively while a container nri-accel no
+    # longer knows of may hold it
     state = tmp_path / "state"
     state.mkdir()
     (state / CHECKPOINT_FILE).write_text(content)
     engine = Engine(demo_inventory(), standalone())
     engine.load_checkpoint(*_checkpoint(tmp_path).load())
-    with pytest.raises(StateError) as e:
-        admit(engine, allocated("nvidia.com/gpu: 1", cid="a"))
-    assert e.value.source == "container annotation devices.nri-accel.io"
-    assert e.value.status == "UNAVAILABLE"
-    assert admit(engine, allocated("nvidia.com/gpu=2", cid="named")).devices  # still served
+    for asked in ("nvidia.com/gpu: 1", "nvidia.com/gpu=2"):
+        with pytest.raises(StateError) as e:
+            admit(engine, allocated(asked, cid="a"))
+        assert e.value.source == "container annotation devices.nri-accel.io"
+        assert e.value.status == "UNAVAILABLE"
     engine.restore_grants([])  # the runtime's view: nothing else runs
     assert admit(engine, allocated("nvidia.com/gpu: 1", cid="a")).devices
+    assert admit(engine, allocated("nvidia.com/gpu=2", cid="named")).devices
+
+
+@pytest.mark.parametrize("change", ["owner", "mode"])
+def test_a_checkpoint_another_user_may_write_is_unreadable(tmp_path: Path, change: str):
+    # only the directory's owner and mode were checked: a user owning grants.json itself
+    # (or allowed to write it) could rewrite the grants restored at the next start
+    state = tmp_path / "state"
+    state.mkdir()
+    engine = Engine(demo_inventory(), standalone())
+    admit(engine, allocated("nvidia.com/gpu=0", cid="a"))
+    checkpoint = _checkpoint(tmp_path)
+    checkpoint.save(engine.holdings.to_json(checkpoint.boot_id))
+    assert [g.container_id for g in checkpoint.load()[0]] == ["a"]
+    path = state / CHECKPOINT_FILE
+    checkpoint.save(engine.holdings.to_json(checkpoint.boot_id))
+    if change == "owner":
+        os.chown(path, os.geteuid() + 1000, -1)
+    else:
+        path.chmod(0o620)
+    with capture_logs() as logs:
+        assert checkpoint.load() == ([], False)
+    assert "owned by uid" in logs[0]["error"] if change == "owner" else \
+        "writable by its group or others" in logs[0]["error"]
+
+
+@pytest.mark.parametrize("boot", [None, "", 7])
+def test_a_checkpoint_that_names_no_boot_is_unreadable(tmp_path: Path, boot: object):
+    # "another boot" holds nothing; a checkpoint that does not say its boot cannot tell
+    state = tmp_path / "state"
+    state.mkdir()
+    doc = {"version": 1, "grants": []} | ({} if boot is None else {"boot_id": boot})
+    (state / CHECKPOINT_FILE).write_text(json.dumps(doc))
+    assert _checkpoint(tmp_path).load() == ([], False)
 
 
 def test_an_unreadable_checkpoint_is_kept_aside_and_only_the_latest(tmp_path: Path):

@@ -146,7 +146,7 @@ async def test_an_unreadable_checkpoint_stays_unknown_across_restarts_until_sync
     pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 1"}})
     named = make_pod({"name": "n", "annotations": {KEY: "nvidia.com/gpu=2"}})
     named_ctr = make_container(named, {"name": "main"})
-    for launch in range(3):  # the start after the unreadable file, then two more
+    for _ in range(3):  # the start after the unreadable file, then two more
         engine = Engine(demo_inventory(), STANDALONE)
         checkpoint = Checkpoint(str(tmp_path), boot_id="boot-1")
         engine.load_checkpoint(*checkpoint.load())
@@ -155,18 +155,22 @@ async def test_an_unreadable_checkpoint_stays_unknown_across_restarts_until_sync
         accel = AccelPlugin(engine, writer.changed)
         writer.changed()
         await writer.flush()
-        with pytest.raises(RequestError) as e:
-            accel.create_container(pod, make_container(pod, {"name": "main"}))
-        assert e.value.status == "UNAVAILABLE"
-        if launch == 0:  # a named device is still served, and its grant kept
-            await accel.create_container(named, named_ctr)
-        assert held(engine) == {named_ctr.id: ("nvidia.com/gpu=2",)}
+        # no device is granted exclusively, counted or named: a container nri-accel no
+        # longer knows of may hold it
+        for p, ctr in ((pod, make_container(pod, {"name": "main"})), (named, named_ctr)):
+            with pytest.raises(RequestError) as e:
+                accel.create_container(p, ctr)
+            assert e.value.status == "UNAVAILABLE"
+            assert "is not known" in e.value.message
+        assert held(engine) == {}
         assert json.loads((tmp_path / CHECKPOINT_FILE).read_text())["known"] is False
     # A Synchronize says what runs: the state is known from then on, and stays so.
-    await accel.synchronize([named], [named_ctr])
+    await accel.synchronize([named], [])
     await writer.flush()
     grants, known = Checkpoint(str(tmp_path), boot_id="boot-1").load()
-    assert known and [g.container_id for g in grants] == [named_ctr.id]
+    assert known and grants == []
+    accel.create_container(named, named_ctr)  # synchronised: answered at once
+    assert held(engine) == {named_ctr.id: ("nvidia.com/gpu=2",)}
 
 
 async def test_a_checkpoint_that_cannot_be_written_is_an_error_not_a_crash(tmp_path: Path):
