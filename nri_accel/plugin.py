@@ -65,6 +65,7 @@ from nri_accel.state import (
     CheckpointWriter,
     NriStatus,
     boottime,
+    lock_state_dir,
     prepare_state_dir,
     state_dir_source,
 )
@@ -355,6 +356,7 @@ def _run(app: App, args: argparse.Namespace, fd: int | None) -> int:
                                 default_name=config.nri.name, default_idx=config.nri.idx)
     state_source = state_dir_source(args.state_dir, config.path)
     prepare_state_dir(config.state_dir, source=state_source)
+    lock_state_dir(config.state_dir, source=state_source)  # held until the process exits
     inventory = app.load_inventory()
     engine = Engine(inventory, config)
     checkpoint = Checkpoint(config.state_dir)

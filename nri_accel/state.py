@@ -59,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import itertools
 import json
 import math
@@ -498,6 +499,30 @@ class Checkpoint:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def lock_state_dir(path: str, *, source: str) -> int:
+    """Hold the state directory `path` for this `run` (an exclusive flock on it, which
+    the kernel drops when the process exits, however it exits): its fd, kept open as long
+    as the process serves. Raises ConfigError while another process holds it: a second
+    `run` on one state directory would restore the same grants and write its own over
+    the other's (one exclusive device in two containers), and both would answer each
+    create that grants (the runtime then fails it: two plugins set one annotation)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        other = NriStatus.load(path).pid
+        raise ConfigError(
+            f"another `nri-accel run` (pid {other or 'unknown'}) serves with the state "
+            f"directory {path}: one `run` per node, per state directory", source=source
+        ) from None
+    except OSError as e:
+        os.close(fd)
+        raise ConfigError(f"cannot lock the state directory {path}: {e.strerror or e}",
+                          source=source) from e
+    return fd
 
 
 def prepare_state_dir(path: str, *, source: str, create: bool = True) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,29 @@ def test_a_checkpoint_that_cannot_be_written_stops_run_at_start(
     assert done.returncode == 2
     assert (f"nri-accel: --state-dir: cannot write the grant checkpoint "
             f"{state / CHECKPOINT_FILE}: ") in done.stderr
+
+
+def test_a_second_run_on_one_state_dir_stops_at_start_naming_the_first(
+        daemon_files: dict[str, str]) -> None:
+    # Two `run`s on one state directory would restore the same grants, write theirs
+    # over each other's, and both answer every create that grants. The first holds the
+    # directory (flock) from start to exit: the second is refused, the first unharmed.
+    first = subprocess.Popen(run_args(daemon_files, "--socket", daemon_files["socket"]),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        state = Path(daemon_files["state"])
+        for _ in range(1200):  # it has locked the directory once it wrote a checkpoint
+            if (state / CHECKPOINT_FILE).exists() or first.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert first.poll() is None
+        done = run(daemon_files)
+        assert done.returncode == 2, done.stderr
+        assert ("nri-accel: --state-dir: another `nri-accel run` (pid " in done.stderr
+                and f"serves with the state directory {state}: one `run` per node"
+                in done.stderr), done.stderr
+        assert first.poll() is None
+    finally:
+        first.terminate()
+        first.wait(START_TIMEOUT)
