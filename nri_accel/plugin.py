@@ -53,7 +53,13 @@ from nri_accel.app import DAEMON, App
 from nri_accel.config import DEFAULT_CONFIG_PATH
 from nri_accel.container import ContainerInfo
 from nri_accel.engine import ENV_SCOPE, Engine, Plan, restore_slices
-from nri_accel.errors import ConfigError, InternalError, NriAccelError, RequestError
+from nri_accel.errors import (
+    ConfigError,
+    InternalError,
+    NriAccelError,
+    RequestError,
+    StateError,
+)
 from nri_accel.health import HealthWatches
 from nri_accel.inventory import Inventory
 from nri_accel.metrics import ERROR, OK, REFUSED, RUN_EVENTS, RequestRecorder, device_counts
@@ -94,7 +100,7 @@ class AccelPlugin:
     answers once what that returns (an awaitable, or None: at once) is done (_once)."""
 
     def __init__(self, engine: Engine,
-                 on_change: Callable[[], Awaitable[None] | None] | None = None) -> None:
+                 on_change: Callable[[], Awaitable[bool] | None] | None = None) -> None:
         # The stub decodes what convert reads, a CreateContainer first at a glance:
         # for a container that asks for nothing, that glance is all there is to read.
         # It asks when one of its pod's or its own annotation keys, or an entry of its
@@ -212,7 +218,33 @@ class AccelPlugin:
                  cdi_devices=list(plan.cdi_devices),
                  notes=[_shown(n, 1024) for n in plan.notes],
                  duration_us=elapsed // 1000)
-        return result if saved is None or self._synchronized else _once(saved, result)
+        if saved is None or self._synchronized:
+            return result
+        return self._once(saved, result, info)
+
+    async def _once(self, saved: Awaitable[bool], result: bytes,
+                    info: ContainerInfo) -> bytes:
+        """`result`, once `saved` (the checkpoint write of the grant it reports) is done:
+        a plugin killed after answering must not restart from a checkpoint without it
+        where no Synchronize will say what runs (containerd 1.7 does not synchronise a
+        plugin it launches, and kills it when it stops). Where the write failed, the
+        grant is released and the container refused (UNAVAILABLE): answered, it would be
+        a grant the next start cannot know of. A plugin the runtime synchronised answers
+        at once: after a restart it is synchronised again, and reads the grant back from
+        the container's annotations (the write, off the event loop, costs a create
+        0.2-0.6 ms)."""
+        if await saved:
+            return result
+        self.engine.release(info.container_id)
+        self._on_change()
+        error = StateError("its grant could not be written to the grant checkpoint (see "
+                           "checkpoint_write_failed), and the runtime has not synchronised: "
+                           "a restart would not know the devices are held, so they are not "
+                           "granted", source="container")
+        log.warning("container_refused", namespace=_shown(info.namespace),
+                    pod=_shown(info.pod_name), container=_shown(info.container_name),
+                    error=_shown(str(error), 1024), source="container")
+        raise error
 
     def _refused(self, info: ContainerInfo | None, exc: Exception, started: int) -> None:
         """Record and log a refusal (of a container whose request was not read as far
@@ -280,17 +312,6 @@ class AccelPlugin:
             log.debug("grant_released", container_id=grant.container_id,
                       container=_shown(grant.name))
             self._on_change()
-
-
-async def _once(saved: Awaitable[None], result: bytes) -> bytes:
-    """`result`, once `saved` (the checkpoint write of the grant it reports) is done: a
-    plugin killed after answering must not restart from a checkpoint without it where
-    no Synchronize will say what runs (containerd 1.7 does not synchronise a plugin it
-    launches, and kills it when it stops). A plugin the runtime synchronised answers at
-    once: after a restart it is synchronised again, and reads the grant back from the
-    container's annotations (the write, off the event loop, costs a create 0.2-0.6 ms)."""
-    await saved
-    return result
 
 
 def _check_size(size: int, plan: Plan) -> None:

@@ -711,14 +711,14 @@ class CheckpointWriter:
         self._dirty = False
         self._task: asyncio.Task[None] | None = None
         self._changes = 0  # changes so far
-        self._waiting: list[tuple[int, asyncio.Future[None]]] = []  # (change, its write)
+        self._waiting: list[tuple[int, asyncio.Future[bool]]] = []  # (change, its write)
         self.failures = 0
 
-    def changed(self) -> asyncio.Future[None]:
+    def changed(self) -> asyncio.Future[bool]:
         """Something changed: write soon. Call from the event loop. Returns a future
-        done once a write that took its snapshot after this change has finished (or
-        failed, which is logged): what an answer waits for that must not reach the
-        runtime before the grant it reports is in the checkpoint."""
+        done once a write that took its snapshot after this change has finished: True,
+        or False where it failed (which is logged). What an answer waits for that must
+        not reach the runtime before the grant it reports is in the checkpoint."""
         self._dirty = True
         self._changes += 1
         loop = asyncio.get_running_loop()
@@ -738,8 +738,10 @@ class CheckpointWriter:
             self._dirty = False
             covered = self._changes
             grants, known = tuple(self._snapshot()), self._known()
+            ok = False
             try:
                 await asyncio.to_thread(self._write, grants, known)
+                ok = True
             except OSError as e:
                 self.failures += 1
                 log.error("checkpoint_write_failed", path=self.checkpoint.path,
@@ -753,7 +755,7 @@ class CheckpointWriter:
                     if change > covered:
                         self._waiting.append((change, written))
                     elif not written.done():
-                        written.set_result(None)
+                        written.set_result(ok)
 
     def _write(self, grants: tuple[Grant, ...], known: bool) -> None:
         holdings = Holdings()

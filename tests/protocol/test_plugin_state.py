@@ -177,9 +177,34 @@ async def test_a_checkpoint_that_cannot_be_written_is_an_error_not_a_crash(tmp_p
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     writer = CheckpointWriter(Checkpoint(str(blocker)), lambda: ())
-    writer.changed()
+    written = writer.changed()
     await writer.flush()
     assert writer.failures == 1
+    assert written.result() is False
+
+
+async def test_before_a_synchronize_a_grant_the_checkpoint_could_not_keep_is_refused(
+        tmp_path: Path):
+    # the answer waits for the checkpoint (no Synchronize will say what runs after a
+    # restart): where the write fails, the container is refused and holds nothing,
+    # rather than answered with a grant the next start would not know of
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    engine = Engine(demo_inventory(), STANDALONE)
+    writer = CheckpointWriter(Checkpoint(str(blocker)), engine.holdings.snapshot)
+    accel = AccelPlugin(engine, writer.changed)
+    pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu=1"}})
+    ctr = make_container(pod, {"name": "main"})
+    with pytest.raises(RequestError) as e:
+        await accel.create_container(pod, ctr)
+    assert e.value.status == "UNAVAILABLE"
+    assert "could not be written to the grant checkpoint" in e.value.message
+    assert held(engine) == {}
+    await writer.flush()
+    # where it can be written, the same container is answered once it is
+    ok = CheckpointWriter(Checkpoint(str(tmp_path)), engine.holdings.snapshot)
+    assert await AccelPlugin(engine, ok.changed).create_container(pod, ctr)
+    assert held(engine) == {ctr.id: ("nvidia.com/gpu=1",)}
 
 
 def test_the_status_record_tells_the_device_plugin_whether_run_is_registered(tmp_path: Path):
