@@ -118,7 +118,9 @@ class PluginConn:
                    *, metadata: Sequence[tuple[str, str]] = NAMESPACE_METADATA,
                    timeout: float | None = None) -> Any:
         """Call the plugin's `method` with `request` (a message, or its encoding); a fatal
-        failure (timeout, lost connection) drops the plugin."""
+        failure (timeout, lost connection) drops the plugin, as containerd's NRI does
+        (pkg/adaptation: isFatalError); an error the plugin answers with, whatever its
+        code (UNAVAILABLE included), fails that call only."""
         payload = request if isinstance(request, bytes) else request.SerializeToString()
         try:
             raw = await self.client.call(
@@ -126,7 +128,7 @@ class PluginConn:
                 timeout=self.sim.request_timeout if timeout is None else timeout,
                 metadata=metadata)
         except TtrpcError as exc:
-            if exc.code in (Code.DEADLINE_EXCEEDED, Code.UNAVAILABLE):
+            if exc.code == Code.DEADLINE_EXCEEDED or self.client.is_closing():
                 self.close(f"{method}: {exc.message}")
             raise
         return response_type.FromString(raw)
@@ -417,6 +419,13 @@ class Simulator:
         created = pb.Container()
         created.CopyFrom(container)
         created.state = pb.CONTAINER_CREATED
+        # the adjusted annotations are the container's from then on (containerd applies
+        # them to its spec, and lists them in a later Synchronize); "-key" removes one
+        for key, value in merged.adjust.annotations.items():
+            if key.startswith("-"):
+                created.annotations.pop(key[1:], None)
+            else:
+                created.annotations[key] = value
         self.containers[container.id] = created
         return merged
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import structlog.testing
 
-from nri_accel.errors import ConfigError, PolicyError, RequestError
+from nri_accel.errors import ConfigError, PolicyError, RequestError, StateError
 from nri_accel.inventory import ContainerEdits, DeviceNode
 from nri_accel.nri import adjust, fields
 from nri_accel.nri import nri_pb2 as pb
@@ -288,6 +288,30 @@ async def test_a_policy_refusal_says_permission_denied(sock_path: str) -> None:
             await sim.create_container(POD, CTR)
         assert info.value.code == Code.PERMISSION_DENIED
         assert info.value.message.startswith("annotation devices.nri-accel.io/pod: ")
+
+
+async def test_an_unavailable_answer_fails_the_container_and_keeps_the_plugin(
+        sock_path: str) -> None:
+    # containerd's NRI closes a plugin on a transport failure or a missed deadline only:
+    # an error the plugin answers with, UNAVAILABLE included (nri-accel's while the
+    # state is unknown), fails that container; the simulator does as containerd does
+    class Unsure:
+        def create_container(self, pod: Any, container: Any) -> Any:
+            if pod.name == "unsure":
+                raise StateError("not known", source="container")
+            return pb.ContainerAdjustment(annotations={"granted.example/x": "1"})
+
+    async with serving(Unsure(), sock_path) as (sim, _):
+        await sim.wait_for_plugin()
+        unsure = make_pod({"name": "unsure"})
+        with pytest.raises(PluginError) as info:
+            await sim.create_container(unsure, make_container(unsure, {"name": "c"}))
+        assert info.value.code == Code.UNAVAILABLE
+        assert sim.dropped == []
+        # and what the plugin's adjustment annotates is the container's from then on,
+        # as containerd lists it in a later Synchronize
+        await sim.create_container(POD, CTR)
+        assert sim.containers[CTR.id].annotations["granted.example/x"] == "1"
 
 
 async def test_a_bug_in_a_handler_is_an_error_answer_not_a_crash(sock_path: str) -> None:
