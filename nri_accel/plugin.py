@@ -208,6 +208,13 @@ class AccelPlugin:
             self._refused(info, exc, started)
             raise InternalError(f"nri-accel internal error: {exc}") from exc
         saved = self._on_change() if plan.grant.exclusive or plan.grant.shared else None
+        if saved is None or self._synchronized:
+            self._answered(info, plan, started)
+            return result
+        return self._once(saved, result, info, plan, started)
+
+    def _answered(self, info: ContainerInfo, plan: Plan, started: int) -> None:
+        """Record and log a create answered with `plan`."""
         elapsed = time.perf_counter_ns() - started
         self._created.record(OK, elapsed / 1e9)
         log.info("container_created", namespace=_shown(info.namespace),
@@ -218,12 +225,9 @@ class AccelPlugin:
                  cdi_devices=list(plan.cdi_devices),
                  notes=[_shown(n, 1024) for n in plan.notes],
                  duration_us=elapsed // 1000)
-        if saved is None or self._synchronized:
-            return result
-        return self._once(saved, result, info)
 
-    async def _once(self, saved: Awaitable[bool], result: bytes,
-                    info: ContainerInfo) -> bytes:
+    async def _once(self, saved: Awaitable[bool], result: bytes, info: ContainerInfo,
+                    plan: Plan, started: int) -> bytes:
         """`result`, once `saved` (the checkpoint write of the grant it reports) is done:
         a plugin killed after answering must not restart from a checkpoint without it
         where no Synchronize will say what runs (containerd 1.7 does not synchronise a
@@ -234,6 +238,7 @@ class AccelPlugin:
         the container's annotations (the write, off the event loop, costs a create
         0.2-0.6 ms)."""
         if await saved:
+            self._answered(info, plan, started)
             return result
         self.engine.release(info.container_id)
         self._on_change()
@@ -241,9 +246,7 @@ class AccelPlugin:
                            "checkpoint_write_failed), and the runtime has not synchronised: "
                            "a restart would not know the devices are held, so they are not "
                            "granted", source="container")
-        log.warning("container_refused", namespace=_shown(info.namespace),
-                    pod=_shown(info.pod_name), container=_shown(info.container_name),
-                    error=_shown(str(error), 1024), source="container")
+        self._refused(info, error, started)
         raise error
 
     def _refused(self, info: ContainerInfo | None, exc: Exception, started: int) -> None:

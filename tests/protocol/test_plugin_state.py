@@ -200,6 +200,8 @@ async def test_before_a_synchronize_a_grant_the_checkpoint_could_not_keep_is_ref
     assert e.value.status == "UNAVAILABLE"
     assert "could not be written to the grant checkpoint" in e.value.message
     assert held(engine) == {}
+    counts, _, _ = accel.requests["create_container"].snapshot()
+    assert (counts["ok"], counts["refused"]) == (0, 1)  # counted once, as refused
     await writer.flush()
     # where it can be written, the same container is answered once it is
     ok = CheckpointWriter(Checkpoint(str(tmp_path)), engine.holdings.snapshot)
