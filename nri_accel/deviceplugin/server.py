@@ -79,7 +79,7 @@ import socket
 import stat
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -285,6 +285,17 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
                            f"{resource}: {why}; nri-accel's device plugin fails closed "
                            "until `nri-accel run` is registered with the container runtime "
                            "on this node")
+
+
+def advertised(resources: Iterable[Resource], nri_down: bool) -> dict[tuple[str, str], int]:
+    """(resource, HEALTHY or UNHEALTHY) -> the device IDs ListAndWatch sends so: every
+    one Unhealthy while the NRI side is away (the device plugin fails closed)."""
+    counts = {}
+    for r in resources:
+        healthy = 0 if nri_down else sum(d.healthy for d in r.devices)
+        counts[r.name, HEALTHY] = healthy
+        counts[r.name, UNHEALTHY] = len(r.devices) - healthy
+    return counts
 
 
 def _check_size(event: str, resource: Resource, containers: int, id_counts: Any) -> None:
@@ -719,6 +730,7 @@ async def serve(inventory: Inventory, kubelet_dir: str, *, stop: asyncio.Event,
         def sample() -> None:
             metrics.set_kubelet_registered(plugins.registered())
             metrics.set_nri_registered(not plugins.nri_down)
+            metrics.set_advertised(advertised(plugins.resources, plugins.nri_down))
 
         server = MetricsServer(metrics, metrics_address, ready=plugins.ready, sample=sample)
 

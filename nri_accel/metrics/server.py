@@ -165,7 +165,8 @@ class RunMetrics(_Metrics):
 
 class DevicePluginMetrics(_Metrics):
     """The metrics of `nri-accel device-plugin`: requests (one recorder per
-    DEVICE_PLUGIN_EVENTS event), kubelet registration, the NRI side it depends on."""
+    DEVICE_PLUGIN_EVENTS event), kubelet registration, the devices as kubelet is told
+    of them, the NRI side it depends on."""
 
     def __init__(self, requests: Mapping[str, RequestRecorder]) -> None:
         super().__init__(requests)
@@ -179,7 +180,22 @@ class DevicePluginMetrics(_Metrics):
             "runtime (its state record says so and is fresh), else 0: at 0 the device "
             "plugin fails closed (devices Unhealthy, Allocate refused).",
             registry=self.registry)
+        self._advertised = Gauge(
+            "nri_accel_advertised_devices",
+            "Device IDs advertised to kubelet, by resource and the health ListAndWatch "
+            "sends (Healthy, Unhealthy: sick, vanished, or every one while `nri-accel "
+            "run` is away).", ("resource", "health"), registry=self.registry)
         self._resources: frozenset[str] = frozenset()
+        self._advertised_keys: frozenset[tuple[str, str]] = frozenset()
+
+    def set_advertised(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Device IDs by (resource, health); the series of a resource no longer served
+        are removed."""
+        for key, n in counts.items():
+            self._advertised.labels(*key).set(n)
+        for key in self._advertised_keys - counts.keys():
+            self._advertised.remove(*key)
+        self._advertised_keys = frozenset(counts)
 
     def set_nri_registered(self, registered: bool) -> None:
         self._nri.set(1 if registered else 0)

@@ -196,6 +196,11 @@ def test_metrics_and_probes_of_the_device_plugin(kubelet: FakeKubelet, nri_side:
                 "acme.example/fpga", "acme.example/npu", "aws.amazon.com/neuron",
                 "nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb")}
         assert samples.value("nri_accel_inventory_refreshes_total") == 0
+        # what kubelet is told: with `run` gone, every device Unhealthy (fails closed)
+        assert (samples.value("nri_accel_advertised_devices", resource="nvidia.com/gpu",
+                              health="Healthy"),
+                samples.value("nri_accel_advertised_devices", resource="nvidia.com/gpu",
+                              health="Unhealthy")) == (0, 2)
         kubelet.stop()  # kubelet gone: not ready, with the reason
         answer = wait_for(address, "/readyz", 503)
         assert "kubelet" in answer.text

@@ -16,6 +16,7 @@ from nri_accel.deviceplugin.resources import (
     preferred_allocation,
     resources_from_inventory,
 )
+from nri_accel.deviceplugin.server import advertised
 from nri_accel.errors import AllocationError, NotFoundError, RequestError
 from nri_accel.inventory import Device, Inventory
 from nri_accel.policy import Policy
@@ -260,6 +261,15 @@ def test_grant_lists_qualified_names_in_inventory_order_once() -> None:
     mig = allocate(r["nvidia.com/mig-1g.10gb"], [MIG_B])
     assert dict(mig.annotations) == {
         "devices.nri-accel.io/resource.nvidia.com_mig-1g.10gb": f"nvidia.com/mig={MIG_B}"}
+
+
+def test_advertised_counts_follow_health_and_the_nri_side() -> None:
+    (resources, _) = resources_from_inventory(node_inventory(), NODE_CONFIG)
+    gpu = _by_name(resources)["nvidia.com/gpu"]
+    assert advertised([gpu], nri_down=False) == {("nvidia.com/gpu", "Healthy"): 1,
+                                                 ("nvidia.com/gpu", "Unhealthy"): 1}
+    assert advertised([gpu], nri_down=True) == {("nvidia.com/gpu", "Healthy"): 0,
+                                                ("nvidia.com/gpu", "Unhealthy"): 2}
 
 
 def test_grant_of_an_unhealthy_device_is_refused_naming_it() -> None:
