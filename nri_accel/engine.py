@@ -253,16 +253,21 @@ class Engine:
         log.info("allocations_loaded", containers=len(grants), known=known,
                  held=sum(len(g.exclusive) for g in grants))
 
-    def grants_in(self, containers: Iterable[ContainerInfo]) -> list[Grant]:
+    def grants_in(self, containers: Iterable[ContainerInfo],
+                  unread: list[str] | None = None) -> list[Grant]:
         """What the running `containers` hold: each one's own grant annotations, else
         what the holdings (the checkpoint) say it was granted. Unreadable annotations
-        are logged and skipped: they never stop the plugin. Changes nothing."""
+        are logged and skipped: they never stop the plugin; the id of a container whose
+        annotations cannot be read and that the holdings do not know is added to
+        `unread` (where given): what it holds is not known. Changes nothing."""
         grants = []
         for info in containers:
-            grant = _read_grant(info)
+            grant, readable = _read_grant(info)
             if grant is None:
                 with self._lock:
                     grant = self.holdings.get(info.container_id)
+                if grant is None and not readable and unread is not None:
+                    unread.append(info.container_id)
             if grant is not None:
                 grants.append(self._current(grant))
         return grants
@@ -282,16 +287,17 @@ class Engine:
             return grant
         return structs.replace(grant, exclusive=now(grant.exclusive), shared=now(grant.shared))
 
-    def restore_grants(self, grants: list[Grant]) -> None:
+    def restore_grants(self, grants: list[Grant], *, known: bool = True) -> None:
         """Make `grants` (grants_in() of every running container) the allocation
-        state, which is then known."""
+        state, which is then known, unless `known` is false (a running container's
+        grant could not be read)."""
         with self._lock:
             before = {g.container_id for g in self.holdings.snapshot()}
-            self.holdings.replace_all(grants, known=True)
+            self.holdings.replace_all(grants, known=known)
         dropped = before - {g.container_id for g in grants}
         log.info("allocations_restored", containers=len(grants),
                  held=sum(len(g.exclusive) for g in grants),
-                 released_not_running=len(dropped))
+                 released_not_running=len(dropped), known=known)
 
 
 def _grant(info: ContainerInfo, exclusive: frozenset[str] = frozenset(),
@@ -328,20 +334,22 @@ def grant_annotations(grant: Grant) -> Mapping[str, str]:
     return MappingProxyType(out)
 
 
-def _read_grant(info: ContainerInfo) -> Grant | None:
+def _read_grant(info: ContainerInfo) -> tuple[Grant | None, bool]:
+    """(the grant the container's annotations record, or None; whether they could be
+    read: False for annotations that are not what grant_annotations() writes)."""
     own = own_annotations(info.container_annotations, info.pod_annotations)
     granted = own.get(ANNOTATION_GRANTED)
     if not granted:
-        return None
+        return None, True
     keys = _keys(granted)
     shared = _keys(own.get(ANNOTATION_SHARED, ""))
     if keys is None or shared is None:
         log.warning("grant_annotation_unreadable", container_id=info.container_id,
                     annotation=ANNOTATION_GRANTED, value=repr(granted[:200]))
-        return None
+        return None, False
     return Grant(info.container_id, name=info.label, pod_uid=info.pod_uid,
                  pod_id=info.pod_id, container_name=info.container_name,
-                 exclusive=keys - shared, shared=shared & keys)
+                 exclusive=keys - shared, shared=shared & keys), True
 
 
 def _check_recorded(info: ContainerInfo) -> None:

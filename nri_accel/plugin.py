@@ -146,11 +146,18 @@ class AccelPlugin:
         calls only then)."""
         with self._timed("synchronize"):
             live = convert.live_containers(containers, pods, RESERVED_KEYS)
-            grants = []
+            grants: list[Any] = []
+            unread: list[str] = []
             for part in restore_slices(live, RESTORE_SLICE):
-                grants += self.engine.grants_in(part)
+                grants += self.engine.grants_in(part, unread)
                 await asyncio.sleep(0)
-            self.engine.restore_grants(grants)
+            if unread:
+                log.error("grant_state_unknown", containers=len(unread),
+                          container_ids=[_shown(c) for c in unread[:8]],
+                          effect="their grant annotations cannot be read, nor does the "
+                                 "checkpoint know them: no device is granted exclusively "
+                                 "until a Synchronize without them")
+            self.engine.restore_grants(grants, known=not unread)
         self._synchronized = True
         self._on_change()
 

@@ -27,6 +27,7 @@ from nri_accel.errors import (
     NotFoundError,
     PolicyError,
     RequestError,
+    StateError,
 )
 from nri_accel.inventory import Inventory
 
@@ -190,6 +191,27 @@ def test_restore_keeps_shared_devices_free_and_skips_unreadable_annotations(engi
     unreadable = [(level, fields["container_id"]) for level, event, fields in logs.records
                   if event == "grant_annotation_unreadable"]
     assert unreadable == [("warning", "bad"), ("warning", "huge")]
+
+
+def test_a_running_container_whose_grant_cannot_be_read_leaves_the_state_unknown(engine):
+    # its annotations are garbage and the checkpoint does not know it: what it holds is
+    # not known, so nothing is granted exclusively until a Synchronize without it
+    admit(engine, allocated("nvidia.com/gpu=1", cid="known"))
+    listed = [container(cid="known", annotations={ANNOTATION_GRANTED: "nvidia.com/gpu=1"}),
+              container(cid="bad", annotations={ANNOTATION_GRANTED: "garbage without kind"})]
+    unread: list[str] = []
+    grants = engine.grants_in(listed, unread)
+    assert unread == ["bad"]
+    engine.restore_grants(grants, known=not unread)
+    with pytest.raises(StateError):
+        admit(engine, allocated("nvidia.com/gpu=2", cid="new"))
+    # a garbage annotation on a container the checkpoint knows: its record is read
+    unread = []
+    engine.restore_grants(engine.grants_in(
+        [container(cid="known", annotations={ANNOTATION_GRANTED: "garbage"})], unread),
+        known=not unread)
+    assert unread == [] and held(engine) == {"known": ("nvidia.com/gpu=1",)}
+    assert admit(engine, allocated("nvidia.com/gpu=2", cid="new")).devices
 
 
 def test_swap_inventory_keeps_holdings(engine):

@@ -78,14 +78,15 @@ class FakeEngine:
     def held_containers(self) -> frozenset[str]:
         return frozenset()
 
-    def grants_in(self, containers: Iterable[ContainerInfo]) -> list[Grant]:
+    def grants_in(self, containers: Iterable[ContainerInfo],
+                  unread: list[str] | None = None) -> list[Grant]:
         part = list(containers)
         self.restore_parts.append(len(part))
         self.restored += part
         return []
 
-    def restore_grants(self, grants: list[Grant]) -> None:
-        assert grants == []
+    def restore_grants(self, grants: list[Grant], *, known: bool = True) -> None:
+        assert grants == [] and known
 
 
 POD = make_pod({"name": "pod0", "namespace": "ml"})

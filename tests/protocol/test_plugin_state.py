@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from demo_node import demo_inventory
 from grants import held
+from structlog.testing import capture_logs
 
 from nri_accel import plugin
 from nri_accel.config import Config, PolicyConfig
@@ -171,6 +172,24 @@ async def test_an_unreadable_checkpoint_stays_unknown_across_restarts_until_sync
     assert known and grants == []
     accel.create_container(named, named_ctr)  # synchronised: answered at once
     assert held(engine) == {named_ctr.id: ("nvidia.com/gpu=2",)}
+
+
+async def test_a_synchronize_listing_a_grant_it_cannot_read_leaves_the_state_unknown():
+    engine = Engine(demo_inventory(), STANDALONE)
+    accel = AccelPlugin(engine)
+    pod = make_pod({"name": "p"})
+    bad = make_container(pod, {"name": "bad",
+                               "annotations": {"nri-accel.io/granted": "garbage"}})
+    with capture_logs() as logs:
+        await accel.synchronize([pod], [bad])
+    (line,) = [e for e in logs if e["event"] == "grant_state_unknown"]
+    assert (line["containers"], line["container_ids"]) == (1, [bad.id])
+    asking = make_pod({"name": "a", "annotations": {KEY: "nvidia.com/gpu=1"}})
+    with pytest.raises(RequestError) as e:
+        accel.create_container(asking, make_container(asking, {"name": "main"}))
+    assert e.value.status == "UNAVAILABLE"
+    await accel.synchronize([pod], [])  # once it is gone, the state is known again
+    assert accel.create_container(asking, make_container(asking, {"name": "main"}))
 
 
 async def test_a_checkpoint_that_cannot_be_written_is_an_error_not_a_crash(tmp_path: Path):
