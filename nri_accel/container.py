@@ -7,6 +7,7 @@ it from NRI's protobuf pod and container, explain from a Pod manifest, tests by 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 from msgspec import Struct
 
@@ -22,7 +23,8 @@ class ContainerInfo(Struct, frozen=True):
     pod_annotations: Mapping[str, str]
     container_annotations: Mapping[str, str]
     env: tuple[str, ...]  # "KEY=VALUE" as in the container spec (image env + pod env)
-    device_paths: frozenset[str] = frozenset()  # device nodes already in the spec
+    # device nodes already in the spec: path -> (type, major, minor)
+    spec_devices: Mapping[str, tuple[str, int, int]] = MappingProxyType({})
     mount_destinations: frozenset[str] = frozenset()
     pod_id: str = ""  # the runtime's sandbox id (what pod sandbox events carry)
 

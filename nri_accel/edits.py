@@ -509,7 +509,8 @@ class Built(Struct, frozen=True):
 
 
 def build(selection: Selection, request: Request, catalog: Catalog, *,
-          container_env: Iterable[str] = (), device_paths: frozenset[str] = frozenset(),
+          container_env: Iterable[str] = (),
+          spec_devices: Mapping[str, tuple[str, int, int]] = MappingProxyType({}),
           mount_destinations: frozenset[str] = frozenset()) -> Built:
     """The edits for one container. Raises AllocationError for a refused inventory edit,
     RequestError for a container LD_LIBRARY_PATH too long to extend."""
@@ -537,8 +538,8 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
             env[k] = v
     added = tuple(f"{k}={v}" for k, v in sorted(env.items()) if own_env.get(k) != v)
     nodes, mounts = common.nodes, common.mounts
-    if not device_paths.isdisjoint(common.node_paths):
-        nodes = tuple(n for n in nodes if n.path not in device_paths)
+    if not spec_devices.keys().isdisjoint(common.node_paths):
+        nodes = _not_in_spec(nodes, spec_devices)
     if not mount_destinations.isdisjoint(common.mount_paths):
         mounts = tuple(m for m in mounts if m.container_path not in mount_destinations)
     # The memo keeps edits whose env is small: at most EDITS_MEMO_SIZE * EDITS_MEMO_CHARS.
@@ -554,6 +555,25 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
             catalog.edits[memo_key] = edits
     return Built(edits, tuple(k for k in common.unset if k in own_env), common.notes,
                  common.facts)
+
+
+def _not_in_spec(nodes: tuple[DeviceNode, ...],
+                 spec_devices: Mapping[str, tuple[str, int, int]]) -> tuple[DeviceNode, ...]:
+    """The granted `nodes` the container's spec does not have already. One at a path
+    the spec has is left out where it is the same device (type, major, minor), and
+    refused where the spec puts another device there: a CRI device mapping the host's
+    /dev/nvidia5 to /dev/nvidia0 would stand in for GPU 0."""
+    kept = []
+    for n in nodes:
+        there = spec_devices.get(n.path)
+        if there is None:
+            kept.append(n)
+        elif there != (n.type, n.major, n.minor):
+            raise RequestError(
+                f"the container's spec already has {n.path} as {there[0]} "
+                f"{there[1]}:{there[2]}, not the granted device's {n.type} "
+                f"{n.major}:{n.minor}: one path is one device", source=f"device {n.path}")
+    return tuple(kept)
 
 
 def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common:

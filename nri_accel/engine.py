@@ -196,7 +196,7 @@ class Engine:
                                                selection.granted_by))
             checked_at = self.holdings.version
         built = build_edits(selection, request, tables.catalog, container_env=info.env,
-                            device_paths=info.device_paths,
+                            spec_devices=info.spec_devices,
                             mount_destinations=info.mount_destinations)
         return Plan(
             devices=selection.devices,

@@ -305,15 +305,14 @@ def large_container_info(pod: Encoded, container: Encoded, env_scope: tuple[str,
                            ("mounts", destinations)):
             _check_kept("container", kind, kept)
         yield
-    device_paths: set[str] = set()
+    spec_devices: dict[str, tuple[str, int, int]] = {}
     for run in runs(linux):
-        devices = views.LinuxContainer.FromString(run).devices
-        device_paths.update(map(attrgetter("path"), devices[:]))
-        _check_kept("container", "devices", device_paths)
+        spec_devices.update(map(_numbered, views.LinuxContainer.FromString(run).devices[:]))
+        _check_kept("container", "devices", spec_devices)
         yield
     return container_info(views.PodSandbox(**pod_fields), views.Container(**fields), tuple(env),
                           pod_annotations=pod_annotations, annotations=annotations,
-                          device_paths=frozenset(device_paths),
+                          spec_devices=MappingProxyType(spec_devices),
                           mount_destinations=frozenset(destinations))
 
 
@@ -360,22 +359,22 @@ def _starting(annotations: Mapping[str, str], prefixes: tuple[str, ...]) -> dict
 def container_info(pod: Pod, container: Container, env: tuple[str, ...] | None = None, *,
                    pod_annotations: Mapping[str, str] | None = None,
                    annotations: Mapping[str, str] | None = None,
-                   device_paths: frozenset[str] | None = None,
+                   spec_devices: Mapping[str, tuple[str, int, int]] | None = None,
                    mount_destinations: frozenset[str] | None = None) -> ContainerInfo:
     """What the request pipeline needs to know about a container being created; its
     env as container_env() gives it (by default the whole env), and the rest as given
     (by default read from the messages; of a large view, large_container_info() reads
-    them; a glance declares no device paths or mounts, and a container that asks for
+    them; a glance declares no devices or mounts, and a container that asks for
     nothing gets no edits that they would be checked against). Annotations given are
     the caller's to give up: the ContainerInfo shows them read-only, uncopied (a large
     request's may be 100,000, which the request parser then refuses)."""
     pod_annotations = dict(pod.annotations) if pod_annotations is None else pod_annotations
     own = dict(container.annotations) if annotations is None else annotations
     if is_glance(container):
-        device_paths = mount_destinations = frozenset()
+        spec_devices, mount_destinations = _NO_DEVICES, frozenset()
     # (a repeated field sliced, as in container_env(); read by attrgetter, in C)
-    if device_paths is None:
-        device_paths = frozenset(map(attrgetter("path"), container.linux.devices[:]))
+    if spec_devices is None:
+        spec_devices = MappingProxyType(dict(map(_numbered, container.linux.devices[:])))
     if mount_destinations is None:
         mount_destinations = frozenset(map(attrgetter("destination"), container.mounts[:]))
     return ContainerInfo(
@@ -387,10 +386,19 @@ def container_info(pod: Pod, container: Container, env: tuple[str, ...] | None =
         pod_annotations=MappingProxyType(pod_annotations),
         container_annotations=MappingProxyType(own),
         env=tuple(container.env) if env is None else env,
-        device_paths=device_paths,
+        spec_devices=spec_devices,
         mount_destinations=mount_destinations,
         pod_id=pod.id,
     )
+
+
+_NO_DEVICES: Mapping[str, tuple[str, int, int]] = MappingProxyType({})
+
+
+def _numbered(device: Any) -> tuple[str, tuple[str, int, int]]:
+    """A LinuxDevice of the container's spec as (its path, (type, major, minor)): what
+    the node at that path is, whatever its path says."""
+    return device.path, (device.type, device.major, device.minor)
 
 
 def container_env(container: Container, scope: tuple[str, ...]) -> tuple[str, ...]:

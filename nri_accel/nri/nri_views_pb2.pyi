@@ -177,10 +177,16 @@ class LinuxContainer(_message.Message):
     def __init__(self, devices: _Optional[_Iterable[_Union[LinuxDevice, _Mapping]]] = ...) -> None: ...
 
 class LinuxDevice(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "type", "major", "minor")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MAJOR_FIELD_NUMBER: _ClassVar[int]
+    MINOR_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    type: str
+    major: int
+    minor: int
+    def __init__(self, path: _Optional[str] = ..., type: _Optional[str] = ..., major: _Optional[int] = ..., minor: _Optional[int] = ...) -> None: ...
 
 class LargePodSandbox(_message.Message):
     __slots__ = ("id", "name", "uid", "namespace", "annotations")

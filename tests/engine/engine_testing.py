@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
@@ -64,7 +64,7 @@ def kubernetes(*trusted: str, devices: DevicesConfig | None = None) -> Config:
 def container(*, namespace: str = "default", pod: str = "pod", name: str = "",
               cid: str = "c1", pod_annotations: dict[str, str] | None = None,
               annotations: dict[str, str] | None = None, env: tuple[str, ...] = (),
-              device_paths: frozenset[str] = frozenset(),
+              spec_devices: Mapping[str, tuple[str, int, int]] | None = None,
               mount_destinations: frozenset[str] = frozenset()) -> ContainerInfo:
     return ContainerInfo(
         namespace=namespace,
@@ -75,7 +75,7 @@ def container(*, namespace: str = "default", pod: str = "pod", name: str = "",
         pod_annotations=MappingProxyType(pod_annotations or {}),
         container_annotations=MappingProxyType(annotations or {}),
         env=env,
-        device_paths=device_paths,
+        spec_devices=MappingProxyType(spec_devices or {}),
         mount_destinations=mount_destinations,
     )
 

@@ -17,7 +17,7 @@ from engine_testing import (
 
 from nri_accel.config import DevicesConfig
 from nri_accel.edits import EDITS_MEMO_SIZE, HOOK_ENV, build, check_edits, compile_catalog
-from nri_accel.errors import AllocationError
+from nri_accel.errors import AllocationError, RequestError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Hook, Inventory, Mount
 from nri_accel.policy import Request
 from nri_accel.select import DeviceIndex, select
@@ -271,14 +271,29 @@ def test_neuron_cores_set_by_the_device_plugin_are_kept():
 
 # ---- what the container already has ---------------------------------------------------------
 
+NVIDIA0_AND_CTL = MappingProxyType({"/dev/nvidia0": ("c", 195, 0),
+                                     "/dev/nvidiactl": ("c", 195, 255)})
+
+
 def test_nodes_and_mounts_already_in_the_spec_are_not_emitted_again():
-    edits, _ = edits_for(demo_inventory(), gpu_ids("0"),
-                         device_paths=frozenset({"/dev/nvidia0", "/dev/nvidiactl"}),
+    edits, _ = edits_for(demo_inventory(), gpu_ids("0"), spec_devices=NVIDIA0_AND_CTL,
                          mount_destinations=frozenset({"/usr/bin/nvidia-smi"}))
     paths = [n.path for n in edits.device_nodes]
     assert "/dev/nvidia0" not in paths and "/dev/nvidiactl" not in paths
     assert "/dev/nvidia-uvm" in paths
     assert "/usr/bin/nvidia-smi" not in {m.container_path for m in edits.mounts}
+
+
+@pytest.mark.parametrize("there", [("c", 195, 5), ("b", 195, 0), ("c", 10, 0)])
+def test_another_device_at_a_granted_nodes_path_is_refused(there):
+    # a CRI device mapping the host's /dev/nvidia5 (195:5) to /dev/nvidia0 would stand in
+    # for GPU 0, whose grant, env and UUID would say otherwise
+    with pytest.raises(RequestError) as e:
+        edits_for(demo_inventory(), gpu_ids("0"),
+                  spec_devices=MappingProxyType({"/dev/nvidia0": there}))
+    assert e.value.source == "device /dev/nvidia0"
+    assert (f"already has /dev/nvidia0 as {there[0]} {there[1]}:{there[2]}, not the granted "
+            "device's c 195:0") in e.value.message
 
 
 def test_containers_through_one_catalog_each_get_their_own_edits():
@@ -292,7 +307,7 @@ def test_containers_through_one_catalog_each_get_their_own_edits():
         return build(sel, req, catalog, **kw).edits
 
     plain = edits()
-    own = edits(device_paths=frozenset({"/dev/nvidia0"}),
+    own = edits(spec_devices=MappingProxyType({"/dev/nvidia0": ("c", 195, 0)}),
                 mount_destinations=frozenset({"/usr/bin/nvidia-smi"}))
     assert "/dev/nvidia0" not in {n.path for n in own.device_nodes}
     assert "/usr/bin/nvidia-smi" not in {m.container_path for m in own.mounts}

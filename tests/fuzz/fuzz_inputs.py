@@ -244,8 +244,9 @@ def container_info(draw: st.DrawFn, text: st.SearchStrategy[str] = any_text) -> 
         pod_annotations=MappingProxyType(pod),
         container_annotations=MappingProxyType(ctr),
         env=draw(env),
-        device_paths=frozenset(draw(st.lists(st.sampled_from(("/dev/nvidia0", "/dev/fuse")),
-                                             max_size=2))),
+        spec_devices=MappingProxyType(dict(draw(st.lists(st.sampled_from((
+            ("/dev/nvidia0", ("c", 195, 0)), ("/dev/nvidia0", ("c", 195, 5)),
+            ("/dev/fuse", ("c", 10, 229)))), max_size=2)))),
         mount_destinations=frozenset(draw(st.lists(st.sampled_from(
             ("/usr/bin/nvidia-smi", "/tmp")), max_size=2))),
     )

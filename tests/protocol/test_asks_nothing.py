@@ -191,7 +191,8 @@ def test_huge_annotations_are_read_in_parts_with_the_event_loop_free_between() -
 
 
 def test_tens_of_thousands_of_mounts_and_devices_are_read_in_parts() -> None:
-    # the container already has the GPU's node and nvidia-smi: they are not added again
+    # the container already has the GPU's node (the same device: its type and numbers)
+    # and nvidia-smi: they are not added again
     pod = make_pod({"name": "p", "namespace": "ml"})
     ctr = make_container(pod, {"name": "main", "env": ["NVIDIA_VISIBLE_DEVICES=0"],
                                "mounts": [{"destination": f"/m/{i:06d}", "source": "/s"}
@@ -199,7 +200,8 @@ def test_tens_of_thousands_of_mounts_and_devices_are_read_in_parts() -> None:
                                + [{"destination": "/usr/bin/nvidia-smi", "source": "/x"}],
                                "linux": {"devices": [{"path": f"/dev/x{i:06d}"}
                                                      for i in range(SLICE * 2)]
-                                         + [{"path": "/dev/nvidia0"}]}})
+                                         + [{"path": "/dev/nvidia0", "type": "c",
+                                             "major": 195, "minor": 0}]}})
     result, turns = served_large(plugin("ml"), pod, ctr)
     assert turns == steps(pod, ctr) == 2 + 1 + 4 + 3  # 6,002 mounts and more, 4,001 devices
     adjustment = pb.ContainerAdjustment.FromString(result)

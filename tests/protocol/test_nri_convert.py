@@ -28,16 +28,17 @@ def test_container_info_from_a_real_cri_spec(nri_wire_dir: Path) -> None:
     assert info.pod_annotations["io.kubernetes.cri.sandbox-name"] == "bbdev0"
     assert info.container_annotations["io.kubernetes.cri.container-name"] == "c0"
     assert {"/proc", "/dev", "/etc/hosts", "/dev/shm"} <= info.mount_destinations
-    assert info.device_paths == frozenset()
+    assert info.spec_devices == {}
 
 
 def test_container_info_is_plain_data_detached_from_the_message() -> None:
     pod = make_pod({"name": "p", "annotations": {"k": "v"}})
-    ctr = make_container(pod, {"name": "c", "linux": {"devices": [{"path": "/dev/fuse"}]}})
+    ctr = make_container(pod, {"name": "c", "linux": {"devices": [
+        {"path": "/dev/fuse", "type": "c", "major": 10, "minor": 229}]}})
     info = convert.container_info(pod, ctr)
     pod.annotations["k"] = "changed"
     assert info.pod_annotations == {"k": "v"}
-    assert info.device_paths == frozenset({"/dev/fuse"})
+    assert info.spec_devices == {"/dev/fuse": ("c", 10, 229)}
     assert info.namespace == "default"
 
 

@@ -6,6 +6,8 @@ asking for less than the runtime's "rw" is refused; no hook unless enabled."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import pytest
 from msgspec.structs import replace
 from security_testing import DEVICE_PLUGIN_KEY, TRUSTED_NS, container, demo_inventory, engine
@@ -296,7 +298,8 @@ def test_the_ldcache_hook_sees_no_container_env() -> None:
 
 def test_devices_already_in_the_spec_are_not_emitted_again() -> None:
     base = container(ctr={DEVICE_PLUGIN_KEY: "nvidia.com/gpu=0"})
-    info = replace(base, device_paths=frozenset({"/dev/nvidia0", "/dev/nvidiactl"}))
+    info = replace(base, spec_devices=MappingProxyType({"/dev/nvidia0": ("c", 195, 0),
+                                                         "/dev/nvidiactl": ("c", 195, 255)}))
     plan = engine().plan(info)
     assert plan.qualified_names == ("nvidia.com/gpu=0",)
     assert not {"/dev/nvidia0", "/dev/nvidiactl"} & {n.path for n in plan.edits.device_nodes}
