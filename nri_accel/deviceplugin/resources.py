@@ -44,8 +44,10 @@ annotations.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
 from types import MappingProxyType
 
 from msgspec import Struct
@@ -342,13 +344,18 @@ def _spread(resource: Resource, free: Sequence[int], size: int,
     for p in chosen:
         base = _base_id(resource.devices[p].id)
         used[base] = used.get(base, 0) + 1
-    first = {b: ps[0] for b, ps in pool.items()}
-    while len(chosen) < size and pool:
-        base = min(pool, key=lambda b: (used[b], -len(pool[b]), first[b]))
-        chosen.append(pool[base].pop(0))
-        used[base] += 1
-        if not pool[base]:
-            del pool[base]
+    # a heap of (used, -free, first position, device ID): a pick costs O(log devices),
+    # where a min() over the pool cost a Python call per device (8 GPUs of 1,024
+    # replicas each, 8,191 asked: 20 ms a container)
+    heap = [(used[b], -len(ps), ps[0], b) for b, ps in pool.items()]
+    heapify(heap)
+    queues = {b: deque(ps) for b, ps in pool.items()}
+    while len(chosen) < size and heap:
+        n, _, first, base = heappop(heap)
+        queue = queues[base]
+        chosen.append(queue.popleft())
+        if queue:
+            heappush(heap, (n + 1, -len(queue), first, base))
     return sorted(chosen)
 
 
