@@ -63,7 +63,7 @@ from nri_accel.vendors import PROFILES, family_of, parent_of
 
 __all__ = [
     "HEALTHY", "MAX_CONTAINER_REQUESTS", "MAX_DEVICE_ID", "UNHEALTHY", "Grant",
-    "PluginDevice", "Resource", "allocate", "extended_resource_name_error",
+    "PluginDevice", "Resource", "allocate", "check_healthy", "extended_resource_name_error",
     "grant_annotation_key", "preferred_allocation", "request_size_problem",
     "resources_from_inventory", "shown_id", "shown_ids",
 ]
@@ -281,18 +281,16 @@ def allocate(resource: Resource, device_ids: Iterable[str]) -> Grant:
     """
     positions = set()
     for did in device_ids:
-        device = resource.device(did)
-        if device is None:
+        if resource.device(did) is None:
             raise NotFoundError(f"unknown device ID {shown_id(did)!r}", source=resource.name)
-        if not device.healthy:
-            raise AllocationError(f"device ID {shown_id(did)!r} is {UNHEALTHY}",
-                                  source=resource.name)
+        check_healthy(resource, did)
         positions.add(resource.position(did))
     devices = [resource.devices[i] for i in sorted(positions)]
     value = ",".join(d.qualified_name for d in devices)
-    if len(devices) > MAX_IDS or len(value.encode()) > MAX_VALUE_BYTES:
+    size = len(value.encode())
+    if len(devices) > MAX_IDS or size > MAX_VALUE_BYTES:
         raise RequestError(
-            f"{len(devices)} devices, a grant of {len(value.encode())} bytes: more than "
+            f"{len(devices)} devices, a grant of {size} bytes: more than "
             f"`nri-accel run` reads of one container's grant ({MAX_IDS} devices, "
             f"{MAX_VALUE_BYTES} bytes); request fewer for one container",
             source=resource.name)
@@ -300,6 +298,16 @@ def allocate(resource: Resource, device_ids: Iterable[str]) -> Grant:
         annotations=MappingProxyType({resource.annotation_key: value}),
         cdi_devices=tuple(d.cdi_name for d in devices if d.cdi_name),
     )
+
+
+def check_healthy(resource: Resource, device_id: str) -> None:
+    """Raise AllocationError where `device_id` is one of the resource's devices and the
+    last ListAndWatch sent it Unhealthy (an ID the resource does not have is not
+    looked at here)."""
+    device = resource.device(device_id)
+    if device is not None and not device.healthy:
+        raise AllocationError(f"device ID {shown_id(device_id)!r} is {UNHEALTHY}",
+                              source=resource.name)
 
 
 # ---- GetPreferredAllocation --------------------------------------------------------

@@ -93,10 +93,10 @@ from nri_accel.deviceplugin.resources import (
     UNHEALTHY,
     Resource,
     allocate,
+    check_healthy,
     preferred_allocation,
     request_size_problem,
     resources_from_inventory,
-    shown_id,
     shown_ids,
 )
 from nri_accel.errors import AllocationError, ConfigError, NotFoundError, RequestError
@@ -265,14 +265,12 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
     def _pre_start(self, request: Any) -> pb2.PreStartContainerResponse:
         resource = self._endpoint.resource
         self._require_nri("pre_start_refused", resource.name, shown_ids(request.devices_ids))
-        sick = [i for i in request.devices_ids[:]
-                if (device := resource.device(i)) is not None and not device.healthy]
-        if sick:
-            message = (f"{resource.name}: device ID {shown_id(sick[0])!r} is {UNHEALTHY} "
-                       "(sent so since it was allocated)")
-            log.warning("pre_start_refused", resource=resource.name, devices=shown_ids(sick),
-                        reason=message)
-            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, message)
+        try:
+            for device_id in request.devices_ids:
+                check_healthy(resource, device_id)  # sent so since it was allocated
+        except AllocationError as e:
+            log.warning("pre_start_refused", resource=resource.name, reason=str(e))
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
         return pb2.PreStartContainerResponse()
 
     def _require_nri(self, event: str, resource: str, devices: list[Any]) -> None:
