@@ -17,8 +17,9 @@ What a container gets:
   ...), defaults set only where the container does not set them
   (NEURON_RT_VISIBLE_CORES), library directories (nri_accel.vendors.base);
 - per family that got nothing but whose visibility variable the container's env sets,
-  that variable rewritten to the family's "nothing" value or removed, so a co-installed
-  vendor hook cannot widen the grant;
+  that variable rewritten to the family's "nothing" value, so a co-installed vendor hook
+  cannot widen the grant (rewritten, never removed: the runtimes' NRI, from v0.10, drops
+  a removal of a variable the image sets; see nri_accel.vendors.base, `visibility`);
 - LD_LIBRARY_PATH: the container's own value followed by the directories the driver
   libraries are mounted in, without duplicates (libraries become loadable without
   running anything in the container's root filesystem); a container value too long to
@@ -211,7 +212,7 @@ ENV_PREFIXES = tuple(f"{name}=" for name in sorted({
     *(name for p in PROFILES for name in p.env_defaults),
 }))
 """The container's own values build() acts on: LD_LIBRARY_PATH (extended), each family's
-visibility variable (rewritten or removed) and defaults (set only where the container
+visibility variable (rewritten) and defaults (set only where the container
 does not set them). Of the other variables the edits set, the container's own value only
 saves writing an equal one again (nri_accel.nri.convert may leave those out of a large
 env)."""
@@ -490,7 +491,6 @@ class _Common(Struct, frozen=True):
     gids: tuple[int, ...]
     env: tuple[tuple[str, str], ...]  # without LD_LIBRARY_PATH and the defaults
     defaults: tuple[tuple[str, str], ...]  # set only where the container does not
-    unset: tuple[str, ...]  # removed where the container sets them
     env_keys: tuple[str, ...]  # "KEY=" of every variable above and LD_LIBRARY_PATH
     lib_dirs: tuple[str, ...]
     notes: tuple[str, ...]
@@ -500,10 +500,9 @@ class _Common(Struct, frozen=True):
 
 
 class Built(Struct, frozen=True):
-    """One container's edits, what its env loses, and what was left out or noted."""
+    """One container's edits, and what was left out or noted."""
 
     edits: ContainerEdits
-    unset_env: tuple[str, ...] = ()  # variables to remove from the container's env
     notes: tuple[str, ...] = ()
     facts: tuple[tuple[str, str], ...] = ()  # per family, for the log line and explain
 
@@ -553,8 +552,7 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
             if len(catalog.edits) >= EDITS_MEMO_SIZE:
                 catalog.edits.clear()
             catalog.edits[memo_key] = edits
-    return Built(edits, tuple(k for k in common.unset if k in own_env), common.notes,
-                 common.facts)
+    return Built(edits, common.notes, common.facts)
 
 
 def _not_in_spec(nodes: tuple[DeviceNode, ...],
@@ -587,7 +585,6 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
 
     env: dict[str, str] = {}
     defaults: dict[str, str] = {}
-    unset: list[str] = []
     lib_dirs: dict[str, None] = {}
     facts: list[tuple[str, str]] = []
     for profile in PROFILES:
@@ -609,10 +606,7 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
             facts.extend(fe.facts)
         elif profile.visibility is not None and profile.name in request.visible:
             var, nothing = profile.visibility
-            if nothing is None:
-                unset.append(var)
-            else:
-                env[var] = nothing
+            env[var] = nothing
 
     merged = merge_edits(parts)
     count = _size(merged)
@@ -648,8 +642,7 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
         gids=tuple(sorted(merged.additional_gids)),
         env=tuple(sorted(env.items())),
         defaults=tuple(sorted(defaults.items())),
-        unset=tuple(unset),
-        env_keys=tuple(f"{k}=" for k in sorted({*env, *defaults, *unset,
+        env_keys=tuple(f"{k}=" for k in sorted({*env, *defaults,
                                                *((LD_LIBRARY_PATH,) if lib_dirs else ())})),
         lib_dirs=tuple(lib_dirs),
         notes=tuple(notes),

@@ -85,7 +85,6 @@ class Plan(Struct, frozen=True):
     annotations: Mapping[str, str]  # added to the container; grants_in() reads them back
     cdi_devices: tuple[str, ...]  # CDI names handed to the runtime (cdi_passthrough)
     grant: Grant
-    unset_env: tuple[str, ...] = ()  # variables removed from the container's env
     notes: tuple[str, ...] = ()
     facts: tuple[tuple[str, str], ...] = ()  # per family ("capabilities", ...)
     granted_by: Mapping[str, str] = MappingProxyType({})
@@ -204,7 +203,6 @@ class Engine:
             annotations=grant_annotations(grant),
             cdi_devices=selection.cdi_devices,
             grant=grant,
-            unset_env=built.unset_env,
             notes=(*request.notes, *selection.notes, *built.notes),
             facts=built.facts,
             granted_by=selection.granted_by,

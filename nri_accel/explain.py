@@ -127,7 +127,7 @@ def explain(containers: Iterable[PodContainer], engine: Engine, *, as_json: bool
 def _json(planned: list[tuple[PodContainer, Plan]]) -> str:
     from nri_accel.nri.adjust import build_adjustment, to_dict, to_json
 
-    adjustments = [(c, build_adjustment(p.edits, p.annotations, p.cdi_devices, p.unset_env))
+    adjustments = [(c, build_adjustment(p.edits, p.annotations, p.cdi_devices))
                    for c, p in planned]
     if len(adjustments) == 1:
         return to_json(adjustments[0][1])
@@ -153,7 +153,6 @@ def render(container: PodContainer, plan: Plan) -> str:
     edits = plan.edits
     lines.extend(f"  {name}: {value}" for name, value in plan.facts)
     _section(lines, "env", edits.env)
-    _section(lines, "env removed", plan.unset_env)
     _section(lines, "device nodes", (f"{n.path} {n.type} {n.major}:{n.minor}"
                                      for n in edits.device_nodes))
     _section(lines, "mounts", (f"{m.container_path} <- {m.host_path} ({','.join(m.options)})"

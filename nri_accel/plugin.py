@@ -205,7 +205,7 @@ class AccelPlugin:
         try:
             plan = self.engine.plan(info)
             result = adjust.encode_adjustment(plan.edits, plan.annotations,
-                                              plan.cdi_devices, plan.unset_env)
+                                              plan.cdi_devices)
             _check_size(len(result), plan)
             self.engine.commit(plan)
         except NriAccelError as exc:

@@ -50,7 +50,6 @@ from nri_accel.inventory import (
 from nri_accel.nri import nri_pb2 as pb
 
 MAX_MEMO_ENV_CHARS = 16384  # adjustments whose env is larger are not memoised
-REMOVAL_MARKER = "-"  # NRI pkg/api: a key so prefixed removes the variable
 
 # CDI/OCI hook names (Hook.hook_name) -> fields of nri Hooks.
 HOOK_FIELDS = {
@@ -67,18 +66,15 @@ def encode_adjustment(
     edits: ContainerEdits,
     annotations: Mapping[str, str] | None = None,
     cdi_devices: Iterable[str] = (),
-    unset_env: Iterable[str] = (),
 ) -> bytes:
-    """The ContainerAdjustment applying `edits`, adding `annotations` and `cdi_devices`,
-    and removing the variables `unset_env` from the container's env (NRI's removal
-    marker: the key prefixed with "-", which the runtime's generate.AdjustEnv applies),
-    as its wire bytes: what the daemon answers with (the stub frames them into the
+    """The ContainerAdjustment applying `edits` and adding `annotations` and
+    `cdi_devices`, as its wire bytes: what the daemon answers with (the stub frames them into the
     CreateContainerResponse; nothing is decoded and encoded again).
 
     Raises ValueError for a hook whose name is not an OCI hook point.
     """
     args = (edits, tuple(sorted(annotations.items())) if annotations else (),
-            tuple(sorted(set(cdi_devices))), tuple(sorted(set(unset_env))))
+            tuple(sorted(set(cdi_devices))))
     # The env carries the container's own LD_LIBRARY_PATH, of any size: an adjustment
     # with a large env is built and not remembered, so the memo stays small.
     if sum(map(len, edits.env)) > MAX_MEMO_ENV_CHARS:
@@ -90,15 +86,14 @@ def build_adjustment(
     edits: ContainerEdits,
     annotations: Mapping[str, str] | None = None,
     cdi_devices: Iterable[str] = (),
-    unset_env: Iterable[str] = (),
 ) -> pb.ContainerAdjustment:
     """encode_adjustment()'s adjustment as a message (explain, and whoever reads it)."""
     return pb.ContainerAdjustment.FromString(
-        encode_adjustment(edits, annotations, cdi_devices, unset_env))
+        encode_adjustment(edits, annotations, cdi_devices))
 
 
 def _encode(edits: ContainerEdits, annotations: tuple[tuple[str, str], ...],
-            cdi_devices: tuple[str, ...], unset_env: tuple[str, ...]) -> bytes:
+            cdi_devices: tuple[str, ...]) -> bytes:
     """The adjustment's wire bytes."""
     edits = merge_edits((edits,))
     adj = pb.ContainerAdjustment()
@@ -111,7 +106,6 @@ def _encode(edits: ContainerEdits, annotations: tuple[tuple[str, str], ...],
     if edits.env:
         adj.env.extend(pb.KeyValue(key=k, value=v)
                        for k, _, v in (kv.partition("=") for kv in edits.env))
-    adj.env.extend(pb.KeyValue(key=REMOVAL_MARKER + k) for k in unset_env)
     for hook in edits.hooks:
         field = HOOK_FIELDS.get(hook.hook_name)
         if field is None:

@@ -118,8 +118,8 @@ Answer = bytes | Awaitable[bytes]
 """What a Plugin service method returns: its response payload, or an awaitable of it
 when the plugin's handler is async (see ttrpc Endpoint)."""
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
-_IDX_RE = re.compile(r"^[0-9]{2}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.+-]+")  # fullmatch: `$` would pass a final "\n"
+_IDX_RE = re.compile(r"[0-9]{2}")
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -209,10 +209,10 @@ def resolve_identity(
         (idx, "--idx"), (env.get(ENV_PLUGIN_IDX), ENV_PLUGIN_IDX),
         (from_argv[1], "argv[0]"), (default_idx, "nri.idx"),
     )
-    if not chosen_name or not _NAME_RE.match(chosen_name):
+    if not chosen_name or not _NAME_RE.fullmatch(chosen_name):
         raise StubConfigError(f"invalid plugin name {chosen_name!r}: use letters, digits and _.+-",
                           source=name_src)
-    if not chosen_idx or not _IDX_RE.match(chosen_idx):
+    if not chosen_idx or not _IDX_RE.fullmatch(chosen_idx):
         raise StubConfigError(f"invalid plugin index {chosen_idx!r}: two digits such as \"40\"",
                           source=idx_src)
     return Identity(chosen_name, chosen_idx)

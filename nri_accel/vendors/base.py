@@ -72,11 +72,14 @@ edits (pure, over the checked catalog)
   env_defaults
       The variables edits() may set as defaults (FamilyEdits.defaults: only where the
       container does not set them); the Engine reads the container's values of these.
-  visibility = (variable, value granting nothing, or None to unset it)
-      The variable a co-installed vendor hook would read (NVIDIA_VISIBLE_DEVICES, "void";
-      the legacy NVIDIA rule grants every GPU when it is unset, so it is set, never
-      removed): rewritten when the container's env sets it and the family got no
-      device, so no other hook can widen what nri-accel granted.
+  visibility = (variable, value granting nothing)
+      The variable a co-installed vendor hook would read (NVIDIA_VISIBLE_DEVICES, "void"):
+      rewritten when the container's env sets it and the family got no device, so no
+      other hook can widen what nri-accel granted. Rewritten, never removed: from NRI
+      v0.10 (containerd 2.x), the runtime drops an adjustment's removal of a variable
+      that no plugin set (pkg/adaptation/result.go, adjustEnv: removals clear other
+      plugins' entries and the plugins' view of the env, only additions reach the
+      spec), so the image's value would stay.
 
 device plugin and display
   resources(device, config) -> resource names under which kubelet sees the device
@@ -234,7 +237,7 @@ class Profile:
     option_key: ClassVar[str] = ""
     id_pattern: ClassVar[re.Pattern[str] | None] = None
     members: ClassVar[Mapping[str, tuple[str, ...]]] = MappingProxyType({})
-    visibility: ClassVar[tuple[str, str | None] | None] = None
+    visibility: ClassVar[tuple[str, str] | None] = None
     env_defaults: ClassVar[frozenset[str]] = frozenset()  # FamilyEdits.defaults' names
 
     # ---- discovery ------------------------------------------------------------------

@@ -34,8 +34,11 @@ container says, since the Neuron runtime's core visibility is the only isolation
 between containers sharing a device; with whole devices only, it is their cores, as
 ranges "a-b" joined by commas, and left alone when the container already sets it
 (narrower, as the AWS Neuron device plugin sets it). When the image asks through
-AWS_NEURON_VISIBLE_DEVICES and nothing is granted, the variable is removed, so the
-oci-neuron-hook (which reads nothing else) grants nothing either.
+AWS_NEURON_VISIBLE_DEVICES and nothing is granted, the variable is rewritten empty
+(VISIBLE_NONE), which names no device index, so the oci-neuron-hook (which reads nothing
+else) grants nothing either: a hook that takes an empty value for unset adds nothing, one
+that parses it fails the container. (Removing it would be lost: see `visibility` in
+nri_accel.vendors.base.)
 
 Identity: a Neuron device is named by its index, which is what stays true of it. On
 Trainium and Inferentia2 the driver does not number devices in probe order: it reads
@@ -51,7 +54,9 @@ What the aws-neuron-driver exposes (neuron_cdev.c, neuron_module.c) and is read 
 through the HostRoot:
 
 - /dev/neuronN: one character device per Neuron device, named "neuron%d" with
-  minor == device index (the major is allocated dynamically, so it is read with lstat).
+  minor == device index, of the major /proc/devices lists as "neuron" (allocated
+  dynamically: read with lstat, checked against /proc/devices; a node of another major
+  or minor is not device N).
 - /sys/class/neuron_device/neuronN/core_count: the NeuronCores of the device ("%d").
 - /sys/class/neuron_device/neuronN/connected_devices: indices of the devices it has a
   direct NeuronLink to, comma separated ("1, 3, 4, 12"); an empty line when none.
@@ -81,7 +86,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from nri_accel.discover import kernel
-from nri_accel.discover.base import Found, host_device_node
+from nri_accel.discover.base import Found
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.discover.probe import State, entries, file_state
 from nri_accel.errors import DiscoveryError
@@ -115,8 +120,10 @@ VENDOR = "neuron"
 KIND = "aws.amazon.com/neuron"
 KIND_CORE = "aws.amazon.com/neuroncore"
 ENV_VISIBLE = "AWS_NEURON_VISIBLE_DEVICES"
+VISIBLE_NONE = ""  # the value nri-accel writes where nothing is granted (module docstring)
 ENV_CORES = "NEURON_RT_VISIBLE_CORES"
 MODULE_DIR = "module/neuron"
+DRIVER = "neuron"  # the /proc/devices name of its character major
 CLASS_DIR = "class/neuron_device"
 _NODE_RE = re.compile(r"^neuron([0-9]{1,6})$")
 # NeuronCores per device: 2 (Trainium1, Inferentia2), 4 (Inferentia1), 8 (Trainium2).
@@ -133,7 +140,7 @@ class NeuronProfile(Profile):
     kinds = (KIND, KIND_CORE)  # the whole first (nri_accel.vendors.parent_of)
     env_names = frozenset({ENV_VISIBLE})
     env_defaults = frozenset({ENV_CORES})
-    visibility = (ENV_VISIBLE, None)
+    visibility = (ENV_VISIBLE, VISIBLE_NONE)
 
     def discover(self, root: HostRoot, config: Config) -> Found:
         return discover_neuron(root)
@@ -244,9 +251,17 @@ def discover_neuron(root: HostRoot) -> Found:
                                 "device node is missing"))
 
     found: list[tuple[int, DeviceNode, dict[str, str], tuple[int, ...]]] = []
+    majors = kernel.proc_devices(root)
+    if majors is None and dev_indices:
+        problems.append(Problem(kernel.PROC_DEVICES, "unreadable: device majors not "
+                                "checked against the driver's"))
     for i in sorted(dev_indices):
         try:
-            node = host_device_node(root, root.dev_path(f"neuron{i}"))
+            # The driver's node N is its major's minor N (neuron_cdev.c: one chrdev
+            # region named DRIVER, device_create(MKDEV(major, N), "neuronN")): a stale
+            # or foreign node of that name is not device N.
+            node = kernel.node_checked(root, root.dev_path(f"neuron{i}"), majors=majors,
+                                       driver=DRIVER, minor=i)
         except DiscoveryError as e:
             problems.append(Problem(e.source, e.message))
             continue

@@ -170,7 +170,7 @@ def by_size(sizes: list[int], calls: int) -> None:
             def plan_and_adjust(i: int, infos: list[ContainerInfo] = infos,
                                 engine: Engine = planner) -> None:
                 p = engine.plan(infos[i % len(infos)])
-                encode_adjustment(p.edits, p.annotations, p.cdi_devices, p.unset_env)
+                encode_adjustment(p.edits, p.annotations, p.cdi_devices)
                 engine.release(infos[i % len(infos)].container_id)
 
             samples, fixed = measure(plan_and_adjust, n_calls)
@@ -198,7 +198,7 @@ def main() -> None:
 
         def plan_and_adjust(i: int, infos: list[ContainerInfo] = infos) -> None:
             p = engine.plan(infos[i % len(infos)])
-            encode_adjustment(p.edits, p.annotations, p.cdi_devices, p.unset_env)
+            encode_adjustment(p.edits, p.annotations, p.cdi_devices)
             engine.release(infos[i % len(infos)].container_id)
 
         for stage, fn in (("plan (+release)", plan), ("plan + adjustment", plan_and_adjust)):

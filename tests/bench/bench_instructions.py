@@ -69,7 +69,7 @@ engine = Engine(Inventory.load(DEMO),
 make = CASES[sys.argv[1]]
 for i in range(200 + int(sys.argv[2])):
     p = engine.plan(make(f"c{{i}}"))
-    encode_adjustment(p.edits, p.annotations, p.cdi_devices, p.unset_env)
+    encode_adjustment(p.edits, p.annotations, p.cdi_devices)
     engine.release(f"c{{i}}")
 """
 

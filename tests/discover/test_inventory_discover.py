@@ -86,6 +86,7 @@ def test_identical_problems_are_reported_once() -> None:
 def _node(tmp_path: Path) -> HostTree:
     tree = HostTree(tmp_path / "node")
     tree.file("/sys/module/neuron/version", "2.21.37.0\n")
+    tree.file("/proc/devices", "Character devices:\n240 npu\n241 neuron\n")
     tree.chardev("/dev/neuron0", 241, 0)
     tree.file("/sys/class/neuron_device/neuron0/core_count", "8")
     tree.chardev("/dev/npu0", 240, 0)

@@ -18,11 +18,14 @@ from nri_accel.engine import Engine
 from nri_accel.errors import AllocationError
 from nri_accel.health import carry_vanished
 from nri_accel.inventory import Device, DeviceNode, Inventory
+from nri_accel.nri.adjust import build_adjustment
 from nri_accel.state import Grant
 from nri_accel.vendors.neuron import KIND as KIND_NEURON
 from nri_accel.vendors.neuron import KIND_CORE, discover_neuron
 
 SYSFS = "/sys/class/neuron_device"
+# /proc/devices of a host with the aws-neuron-driver loaded (its major is dynamic)
+PROC_DEVICES = "Character devices:\n  1 mem\n241 neuron\n\nBlock devices:\n  8 sd\n"
 
 
 def whole(found: Found) -> list[Device]:
@@ -57,6 +60,7 @@ def _neuron_node(tree: HostTree, i: int, *, cores: str = "2", links: str = "") -
 def _tree(tmp_path: Path, count: int = 3) -> HostTree:
     tree = HostTree(tmp_path / "node")
     tree.file("/sys/module/neuron/version", "2.21.37.0\n")
+    tree.file("/proc/devices", PROC_DEVICES)
     for i in range(count):
         others = ", ".join(str(j) for j in range(count) if j != i)
         _neuron_node(tree, i, links=others)
@@ -153,6 +157,22 @@ def test_a_core_granted_before_cores_had_ids_is_read_as_the_core_of_that_number(
         frozenset({"aws.amazon.com/neuroncore=neuron2-core1"})]
 
 
+@pytest.mark.parametrize("value", ["ALL", "0", "0-1"])
+def test_an_untrusted_images_visibility_variable_is_rewritten_empty_never_removed(
+        tmp_path: Path, value: str) -> None:
+    # kubernetes mode: an image's env does not grant in namespace "default". From NRI
+    # v0.10 the runtime drops a removal of a variable no plugin set (result.go,
+    # adjustEnv), so the oci-neuron-hook would still read ALL: the value is rewritten
+    # to one naming no device.
+    engine = Engine(discover_inventory(_tree(tmp_path, 2).root),
+                    Config(policy=PolicyConfig("kubernetes")))
+    plan = admit(engine, container(env=(f"AWS_NEURON_VISIBLE_DEVICES={value}",)))
+    assert plan.devices == ()
+    assert env_of(plan) == {"AWS_NEURON_VISIBLE_DEVICES": ""}
+    adjustment = build_adjustment(plan.edits, plan.annotations, plan.cdi_devices)
+    assert [(e.key, e.value) for e in adjustment.env] == [("AWS_NEURON_VISIBLE_DEVICES", "")]
+
+
 def test_no_neuron_driver_means_nothing_and_no_problem(tmp_path: Path) -> None:
     tree = HostTree(tmp_path / "node")
     tree.chardev("/dev/null", 1, 3)
@@ -170,6 +190,32 @@ def test_symlinked_device_node_is_refused_and_links_to_it_dropped(tmp_path: Path
     assert whole(found)[0].links == ("2",)
     assert [(p.source, "symlink" in p.message) for p in found.problems] == [
         ("/dev/neuron1", True)]
+
+
+@pytest.mark.parametrize(("numbers", "why"), [
+    ((241, 0), "minor 0 is not the expected 1"),  # a stale node: device 0's
+    ((1, 3), "major 1 is not the 'neuron' major"),  # another driver's (/dev/null's)
+])
+def test_a_node_not_the_drivers_node_n_is_not_device_n(
+        tmp_path: Path, numbers: tuple[int, int], why: str) -> None:
+    # neuron_cdev.c: the region is one major named "neuron"; node N is its minor N.
+    tree = _tree(tmp_path, 2)
+    tree.remove("/dev/neuron1")
+    tree.chardev("/dev/neuron1", *numbers)
+    found = discover_neuron(tree.root)
+    assert [d.name for d in whole(found)] == ["0"]
+    assert [(p.source, why in p.message) for p in found.problems] == [("/dev/neuron1", True)]
+
+
+def test_unreadable_proc_devices_is_a_problem_and_minors_still_checked(
+        tmp_path: Path) -> None:
+    tree = _tree(tmp_path, 2)
+    tree.remove("/proc/devices")
+    tree.remove("/dev/neuron1")
+    tree.chardev("/dev/neuron1", 241, 0)
+    found = discover_neuron(tree.root)
+    assert [d.name for d in whole(found)] == ["0"]
+    assert [p.source for p in found.problems] == ["/proc/devices", "/dev/neuron1"]
 
 
 def test_device_node_that_is_a_regular_file_is_refused(tmp_path: Path) -> None:
@@ -210,6 +256,7 @@ def test_malformed_sysfs_values_are_problems(tmp_path: Path) -> None:
 def test_empty_connected_devices_means_no_links(tmp_path: Path) -> None:
     tree = HostTree(tmp_path / "node")
     tree.file("/sys/module/neuron/version", "2.21.37.0\n")
+    tree.file("/proc/devices", PROC_DEVICES)
     _neuron_node(tree, 0, links="")
     found = discover_neuron(tree.root)
     assert found.devices[0].links == ()
@@ -230,6 +277,7 @@ def test_sysfs_device_without_node_and_loaded_driver_without_devices(tmp_path: P
 
 def test_unknown_driver_version_is_a_problem(tmp_path: Path) -> None:
     tree = HostTree(tmp_path / "node")
+    tree.file("/proc/devices", PROC_DEVICES)
     _neuron_node(tree, 0)
     found = discover_neuron(tree.root)
     assert [d.name for d in whole(found)] == ["0"]

@@ -236,7 +236,7 @@ def plan_every_kind(found: Found) -> None:
                          container_annotations=MappingProxyType({}), env=())
     try:
         plan = engine.plan(info)
-        build_adjustment(plan.edits, plan.annotations, plan.cdi_devices, plan.unset_env)
+        build_adjustment(plan.edits, plan.annotations, plan.cdi_devices)
     except NriAccelError as err:
         assert not isinstance(err, InternalError)
         event(f"plan refused: {type(err).__name__}")

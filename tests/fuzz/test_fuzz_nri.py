@@ -170,7 +170,7 @@ def create(eng: Engine, data: bytes) -> None:
     before = (eng.holdings.grants(), eng.holdings.version)
     try:
         plan = eng.plan(info)
-        build_adjustment(plan.edits, plan.annotations, plan.cdi_devices, plan.unset_env)
+        build_adjustment(plan.edits, plan.annotations, plan.cdi_devices)
         eng.commit(plan)
     except NriAccelError as err:
         assert not isinstance(err, InternalError)
@@ -197,7 +197,7 @@ def planned(eng: Engine, info: ContainerInfo) -> tuple[Any, ...]:
         plan = eng.plan(info)
     except NriAccelError as err:
         return type(err).__name__, str(err)
-    return (plan.devices, plan.edits, plan.annotations, plan.cdi_devices, plan.unset_env,
+    return (plan.devices, plan.edits, plan.annotations, plan.cdi_devices,
             plan.notes)
 
 

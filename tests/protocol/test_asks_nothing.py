@@ -402,7 +402,7 @@ def test_what_the_fast_path_answers_empty_the_parser_would_have_asked_nothing_of
         assert parse(info) == Parsed(())
         plan = engine.plan(info)
         assert not (plan.devices or plan.edits.env or plan.edits.device_nodes
-                    or plan.edits.mounts or plan.annotations or plan.unset_env)
+                    or plan.edits.mounts or plan.annotations)
     assert asked_nothing > 100
 
 

@@ -33,7 +33,6 @@ class FakePlan:
     devices = (GPU0,)
     facts = (("capabilities", "compute,utility"),)
     edits = GPU0.edits
-    unset_env = ()
     annotations = MappingProxyType({"nri-accel.io/granted": "nvidia.com/gpu=0"})
     cdi_devices = ()
     grant = Grant("c", exclusive=frozenset({"nvidia.com/gpu=0"}))

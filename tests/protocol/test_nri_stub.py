@@ -101,6 +101,10 @@ def test_identity_precedence_flags_env_argv0_defaults() -> None:
     ({"name": "bad name", "idx": "10"}, "--name"),
     ({"name": "ok", "idx": "100"}, "--idx"),
     ({"env": {"NRI_PLUGIN_NAME": "x", "NRI_PLUGIN_IDX": "a1"}}, "NRI_PLUGIN_IDX"),
+    # a value written with echo, or a YAML block scalar: the runtime refuses it
+    # (pkg/api/plugin.go: two digits; a name of [a-zA-Z0-9_.+-])
+    ({"env": {"NRI_PLUGIN_NAME": "x", "NRI_PLUGIN_IDX": "40\n"}}, "NRI_PLUGIN_IDX"),
+    ({"env": {"NRI_PLUGIN_NAME": "x\n", "NRI_PLUGIN_IDX": "40"}}, "NRI_PLUGIN_NAME"),
     ({"env": {}}, "nri.name"),
 ])
 def test_invalid_identity_names_its_source(kwargs: dict[str, Any], source: str) -> None:

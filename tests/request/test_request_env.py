@@ -57,7 +57,10 @@ VISIBLE = [
     (["NVIDIA_VISIBLE_DEVICES=None"], [(GPU, ("None",), None, False, VIS)], False),
     ([LEGACY, "NVIDIA_VISIBLE_DEVICES=none"], [], True),
     ([LEGACY, "NVIDIA_VISIBLE_DEVICES=all,void"], [], False),
-    (["NVIDIA_VISIBLE_DEVICES=ALL"], [(GPU, ("ALL",), None, False, VIS)], False),  # exact
+    # the toolkit passes "ALL" on as a device, which libnvidia-container's select_devices
+    # takes for all (str_case_equal); "VOID" and "None" it takes for device names
+    (["NVIDIA_VISIBLE_DEVICES=ALL"], [(GPU, (), None, True, VIS)], False),
+    (["NVIDIA_VISIBLE_DEVICES=0,All"], [(GPU, (), None, True, VIS)], False),
     (["NVIDIA_VISIBLE_DEVICES=0-3"], [(GPU, ("0-3",), None, False, VIS)], False),  # no ranges
     (["NVIDIA_VISIBLE_DEVICES=nvidia.com/gpu=1"], [(GPU, ("1",), None, False, VIS)], False),
     ([LEGACY], [(GPU, (), None, True, LEGACY_SOURCE)], False),

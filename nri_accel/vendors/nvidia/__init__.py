@@ -15,7 +15,8 @@ libnvidia-container:
 
 - NVIDIA_VISIBLE_DEVICES: comma-separated, blanks trimmed, empty tokens skipped; void
   (or empty, or unset) means no GPU and no driver, none means the driver without a GPU,
-  all means every GPU, and when they are mixed void > none > all, whatever their order,
+  all (any case: libnvidia-container's select_devices) means every GPU, and when they
+  are mixed void > none > all, whatever their order,
   other ids beside them ignored (devices.go NewVisibleDevices); otherwise indices, GPU-/
   MIG- UUIDs, PCI bus ids, "gpu:mig" pairs, or CDI qualified names (as the toolkit
   accepts in CDI mode, "<kind>=all" beside ids of that kind being all of them), among
@@ -445,7 +446,8 @@ def _visible_devices(env: Mapping[str, str]) -> EnvSource | None:
         return None
     if "none" in tokens:
         return EnvSource(name, (), value, drivers_only=True)
-    if "all" in tokens:
+    if any(t.lower() == "all" for t in tokens):  # "ALL" too: libnvidia-container's
+        # select_devices compares it case-insensitively (str_case_equal)
         return EnvSource(name, (DeviceClaim(KIND_GPU, all=True, source=name),), value)
     ids: list[tuple[str, str]] = []
     for token in tokens:
