@@ -74,7 +74,12 @@ class App(Struct):
             getattr(args, "metrics_address", None), config.metrics.address,
             config_path=config.path))
         if mode == DAEMON:
-            app.log_file = logging_setup.open_log_file(log_file, preregistered=preregistered)
+            try:
+                app.log_file = logging_setup.open_log_file(log_file,
+                                                           preregistered=preregistered)
+            except OSError as exc:
+                raise ConfigError(f"cannot open: {exc.strerror or exc}",
+                                  source=f"--log-file {log_file}") from exc
             logging_setup.configure(level=config.log.level, fmt=config.log.format,
                                     file=app.log_file)
         else:

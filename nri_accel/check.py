@@ -52,6 +52,7 @@ from msgspec import Struct
 from nri_accel import runtime_config as rc
 from nri_accel.app import REPORT, App
 from nri_accel.config import unix_socket_path_problem
+from nri_accel.edits import compile_catalog
 from nri_accel.nri.stub import Identity, RuntimeInfo, Stub
 from nri_accel.state import NriStatus
 
@@ -276,6 +277,8 @@ def main_check(args: argparse.Namespace) -> int:
     else:
         findings.append(("warn", "no accelerator devices found on this node"))
     findings += [("warn", f"{p.source}: {p.message}") for p in inventory.problems]
+    findings += [("error", f"{who}: edits refused, a container granted it fails: {why}")
+                 for who, why in compile_catalog(inventory, config.devices).refused()]
 
     socket_path = args.socket or config.nri.socket
     runtime = None

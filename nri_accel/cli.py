@@ -72,10 +72,22 @@ def _path(text: str) -> str:
 
 
 def _socket_path(text: str) -> str:
-    """--socket: a path a unix socket can have (connect() would fail on it forever)."""
+    """--socket: an absolute path a unix socket can have (connect() would fail on it
+    forever; a relative one would depend on the working directory), as nri.socket."""
     why = unix_socket_path_problem(text)
+    if why is None and not text.startswith("/"):
+        why = "must be an absolute path"
     if why is not None:
         raise argparse.ArgumentTypeError(f"{text!r} {why}" if text else why)
+    return text
+
+
+def _state_dir(text: str) -> str:
+    """--state-dir: as state_dir, absolute without '..' (`run` and `device-plugin` must
+    name the same directory whatever their working directories)."""
+    _path(text)
+    if not text.startswith("/") or ".." in text.split("/"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be an absolute path without '..'")
     return text
 
 
@@ -96,7 +108,7 @@ def _add_config(p: argparse.ArgumentParser) -> None:
 
 def _add_daemon(p: argparse.ArgumentParser) -> None:
     """The flags `run` and `device-plugin` share."""
-    p.add_argument("--state-dir", metavar="DIR", type=_path,
+    p.add_argument("--state-dir", metavar="DIR", type=_state_dir,
                    help="grant checkpoint and the state `run` shares with `device-plugin` "
                    f"(default: config state_dir, else {DEFAULT_STATE_DIR})")
     p.add_argument("--metrics-address", metavar="HOST:PORT",

@@ -237,6 +237,15 @@ class Catalog(Struct, frozen=True, eq=False):
     edits: dict[tuple[Any, ...], ContainerEdits] = field(default_factory=dict)
 
 
+    def refused(self) -> tuple[tuple[str, str], ...]:
+        """(whose edits, why) of every device and driver capability whose edits the
+        safety checks refuse: a container granted one of them fails, naming it."""
+        drivers = ((f"driver {v}" + (f" capability {c}" if c else ""), checked)
+                   for (v, c), checked in self.files.checked.items())
+        return tuple((who, checked.refused)
+                     for who, checked in (*self.devices.items(), *drivers) if checked.refused)
+
+
 _UNCHECKED = Checked(refused="the device is not in the catalog of this inventory")
 
 

@@ -126,8 +126,11 @@ class Engine:
         self.holdings.set_parts(_parts(inventory))
 
     def _compile(self, inventory: Inventory) -> _Tables:
-        return _Tables(DeviceIndex(inventory), compile_catalog(inventory, self._config.devices),
-                       inventory)
+        catalog = compile_catalog(inventory, self._config.devices)
+        for who, why in catalog.refused():
+            log.error("inventory_edits_refused", device=who, reason=why,
+                      effect="a container granted it fails, naming it")
+        return _Tables(DeviceIndex(inventory), catalog, inventory)
 
     @property
     def inventory(self) -> Inventory:

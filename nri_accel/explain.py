@@ -30,7 +30,8 @@ a manifest and so is not seen (a CUDA image's NVIDIA_VISIBLE_DEVICES=all only ev
 narrows anyway).
 
 Every container of every pod is explained, in order, against one KubeletDevices and one
-Engine (so later containers see what earlier ones hold); --container shows only the
+Engine (so later containers see what earlier ones hold, but for an init container that
+is not a sidecar, which exits, its grant released, before the next one is created); --container shows only the
 containers of that name (all are still allocated, in order). Output: per container the
 annotations kubelet passed, the devices, env, device nodes, mounts, hooks, annotations
 and notes; with --json the protobuf JSON mapping of the ContainerAdjustment (one
@@ -79,6 +80,8 @@ class PodContainer(Struct, frozen=True):
 
     info: ContainerInfo
     notes: tuple[str, ...] = ()
+    exits: bool = False  # an init container (not a sidecar): it exits, and the runtime's
+    # StopContainer releases its grant, before kubelet creates the next container
 
     @property
     def label(self) -> str:
@@ -116,6 +119,8 @@ def explain(containers: Iterable[PodContainer], engine: Engine, *, as_json: bool
             refused = True
             print(f"nri-accel: refused {c.label}: {e}", file=err)
             continue
+        if c.exits:
+            engine.release(c.info.container_id)
         planned.append((c, plan))
     if as_json:
         out.write(_json(planned))
@@ -350,7 +355,7 @@ def pod_containers(pod: Mapping[str, Any], origin: str,
         raise ConfigError("the pod has no containers", source=f"{where}: spec.containers")
     grants = kubelet.admit([request for *_, request in parsed])
     out = []
-    for (cname, env, notes, _), grant in zip(parsed, grants, strict=True):
+    for (cname, env, notes, request), grant in zip(parsed, grants, strict=True):
         notes.extend(f"kubelet passes CDI device {n} to the runtime" for n in grant.cdi_devices)
         info = ContainerInfo(
             namespace=namespace,
@@ -362,7 +367,8 @@ def pod_containers(pod: Mapping[str, Any], origin: str,
             container_annotations=grant.annotations,
             env=env,
         )
-        out.append(PodContainer(info, tuple(notes)))
+        out.append(PodContainer(info, tuple(notes),
+                                exits=request.init and not request.sidecar))
     return out
 
 

@@ -86,16 +86,18 @@ class RotatingFile:
 
 def open_log_file(path: str | None, *, preregistered: bool) -> IO[str] | None:
     """Where a daemon logs: `path`, or DEFAULT_PREREGISTERED_LOG when the runtime
-    launched it (its stderr is /dev/null), else None (stderr). A file that cannot be
-    opened is said on stderr, and logging stays there."""
-    if path is None and not preregistered:
+    launched it (its stderr is /dev/null), else None (stderr). A `path` that cannot be
+    opened is the caller's error (OSError); the default file, when it cannot be, is said
+    on stderr, and logging stays there."""
+    if path is not None:
+        return RotatingFile(path)  # type: ignore[return-value]
+    if not preregistered:
         return None
-    target = path or DEFAULT_PREREGISTERED_LOG
     try:
-        return RotatingFile(target)  # type: ignore[return-value]
+        return RotatingFile(DEFAULT_PREREGISTERED_LOG)  # type: ignore[return-value]
     except OSError as exc:
-        print(f"nri-accel: cannot open log file {target}: {exc.strerror}; logging to stderr",
-              file=sys.stderr)
+        print(f"nri-accel: cannot open log file {DEFAULT_PREREGISTERED_LOG}: "
+              f"{exc.strerror}; logging to stderr", file=sys.stderr)
         return None
 
 

@@ -363,14 +363,18 @@ def main_run(args: argparse.Namespace) -> int:
     --metrics-address, --inventory FILE | --root DIR. Returns the exit status."""
     preregistered = bool(os.environ.get(ENV_PLUGIN_SOCKET))
     if preregistered:  # stderr is /dev/null: even a fatal configuration error is logged
-        logging_setup.configure(file=logging_setup.open_log_file(args.log_file,
-                                                                 preregistered=True))
+        try:
+            early = logging_setup.open_log_file(args.log_file, preregistered=True)
+        except OSError:  # App.from_args refuses it, said in the default file
+            early = logging_setup.open_log_file(None, preregistered=True)
+        logging_setup.configure(file=early)
     try:
         fd = Stub.inherited_fd()  # checked: a connected unix socket, else a ConfigError
         app = App.from_args(args, mode=DAEMON, log_file=args.log_file,
                             preregistered=preregistered)
     except NriAccelError as e:
-        log.error("fatal_error", error=str(e))
+        if preregistered:  # else logging is not set up yet: the CLI's line on stderr says it
+            log.error("fatal_error", error=str(e))
         raise
     try:
         return _run(app, args, fd)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -144,6 +145,26 @@ def test_empty_node_warns(tmp_path, capsys) -> None:
     inv.write_text('{"schema_version": 1}')
     assert main(["check", "--inventory", str(inv), "--socket", str(tmp_path / "s")]) == 0
     assert "warn: no accelerator devices found on this node" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("path", "why"), [
+    ("/etc/passwd", "is not under /dev"),
+    ("dev/nvidia0", "is not an absolute path"),
+    ("/dev/../etc/passwd", "contains '..'"),
+])
+def test_a_saved_inventory_whose_edits_are_refused_is_an_error(
+        tmp_path, capsys, path, why) -> None:
+    # The inventory loads (each device's edits are checked where they are compiled, and a
+    # container granted this one would fail): check says so before `run` starts.
+    doc = json.loads(DEMO.read_text())
+    doc["devices"][0]["edits"]["device_nodes"][0]["path"] = path
+    inv = tmp_path / "node.json"
+    inv.write_text(json.dumps(doc))
+    assert main(["check", "--inventory", str(inv), "--socket", str(tmp_path / "s")]) == 1
+    (error,) = [line for line in lines(capsys.readouterr().out) if line.startswith("error:")]
+    assert error.startswith(f"error: nvidia.com/gpu={doc['devices'][0]['name']}: edits "
+                            "refused")
+    assert why in error
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])

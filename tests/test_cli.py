@@ -14,6 +14,7 @@ import pytest
 from nri_accel import __version__
 from nri_accel.cli import build_parser, main
 
+DEMO_INVENTORY = Path(__file__).resolve().parents[1] / "nri_accel" / "demo" / "inventory.json"
 VERBS = ["run", "discover", "explain", "cdi", "device-plugin", "check", "demo", "version"]
 
 
@@ -160,6 +161,31 @@ def test_a_socket_path_over_the_unix_limit_is_refused(capsys, verb: str) -> None
     assert "argument --socket: " in err
     assert "is 108 bytes long, over the 107-byte limit of a unix socket path" in err
     assert "at most 107 bytes" in _verb_parsers(build_parser())[verb].format_help()
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["run", "--socket", "nri.sock"], "'nri.sock' must be an absolute path"),
+    (["check", "--socket", "run/nri.sock"], "'run/nri.sock' must be an absolute path"),
+    (["run", "--state-dir", "state"], "'state' must be an absolute path without '..'"),
+    (["device-plugin", "--state-dir", "/var/../tmp"],
+     "'/var/../tmp' must be an absolute path without '..'"),
+])
+def test_relative_socket_and_state_dir_are_refused_as_in_the_config(
+        capsys, argv: list[str], why: str) -> None:
+    # relative, they would follow the working directory: `run` and `device-plugin`
+    # could share nothing (nri.socket and state_dir refuse the same)
+    err = _refused(capsys, argv)
+    assert f"argument {argv[1]}: {why}" in err
+
+
+def test_a_log_file_that_cannot_be_opened_stops_run(tmp_path, capsys) -> None:
+    missing = tmp_path / "no" / "dir" / "nri-accel.log"
+    code = main(["run", "--log-file", str(missing), "--inventory", str(DEMO_INVENTORY),
+                 "--socket", str(tmp_path / "nri.sock"), "--state-dir", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"--log-file {missing}: cannot open: No such file or directory" in err
+    assert "fatal_error" not in err  # said once, before logging is set up
 
 
 def test_a_kubelet_dir_whose_socket_path_is_too_long_is_refused(capsys) -> None:

@@ -41,7 +41,7 @@ import time
 from typing import Any
 
 from bench_request import CUDA_ENV
-from bench_roundtrip import DEMO_INVENTORY, captured_request
+from bench_roundtrip import DEMO_INVENTORY, captured_request, captures_missing
 from loop_turns import held_while
 
 from nri_accel import log
@@ -91,6 +91,9 @@ def main() -> int:
     parser.add_argument("--entries", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
+    if why := captures_missing():
+        print(why)
+        return 0
     log.configure(level="error")  # the canonical lines (and refusals) are not this figure
     plugin = AccelPlugin(Engine(Inventory.load(DEMO_INVENTORY), Config()))
     serve = Stub(plugin, Identity("bench", "99"))._services()["CreateContainer"]

@@ -44,6 +44,7 @@ from bench_roundtrip import (
     REPO,
     STUB_ONLY,
     captured_request,
+    captures_missing,
     daemon_command,
     round_trips,
     variant,
@@ -154,6 +155,9 @@ def main() -> int:
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         print("valgrind is not installed: no figures (apt-get install valgrind)")
+        return 0
+    if why := captures_missing():
+        print(why)
         return 0
     log.configure(level="warning")
     compileall.compile_dir(REPO / "nri_accel", quiet=1)  # as installed: no compiling

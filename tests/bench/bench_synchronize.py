@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench_roundtrip import DEMO_INVENTORY, captured_request, daemon_command
+from bench_roundtrip import DEMO_INVENTORY, captured_request, captures_missing, daemon_command
 from loop_turns import held_while
 
 from nri_accel import log
@@ -192,6 +192,9 @@ def main() -> int:
     parser.add_argument("--request-timeout", type=float, default=30.0)
     parser.add_argument("--annotations", type=int, default=100_000)
     args = parser.parse_args()
+    if why := captures_missing():
+        print(why)
+        return 0
     log.configure(level="warning")
     for n in args.containers:
         asyncio.run(one(n, args.request_timeout))

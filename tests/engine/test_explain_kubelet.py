@@ -8,6 +8,7 @@ in MIG mode with one MIG device each of 3g.40gb, 2g.20gb and 1g.10gb).
 
 from __future__ import annotations
 
+import io
 import re
 
 import msgspec
@@ -26,7 +27,7 @@ from nri_accel.cli import main
 from nri_accel.config import DevicePluginConfig
 from nri_accel.engine import Engine
 from nri_accel.errors import AllocationError, ConfigError
-from nri_accel.explain import KubeletDevices, pod_containers
+from nri_accel.explain import KubeletDevices, explain, pod_containers
 from nri_accel.inventory import Inventory
 
 GPU_KEY = "devices.nri-accel.io/resource.nvidia.com_gpu"
@@ -147,6 +148,23 @@ def test_init_container_devices_are_handed_on_as_kubelet_does(kubelet):
     assert not app2 & app  # ... and then holds them: the next one gets others
     # The pod holds 5 GPUs, not 7: two are free for the next pod.
     annotations(kubelet, pod(ctr("c", {"nvidia.com/gpu": 2}), name="q"))
+
+
+@pytest.mark.parametrize("app_limits", [{"nvidia.com/gpu": 1}, {"nvidia.com/gpu": 3}])
+def test_the_engine_grants_an_app_container_the_gpus_of_an_init_container_that_exited(
+        kubelet, app_limits):
+    # The runtime's StopContainer of an exited init container releases its grant before
+    # kubelet creates the next container, which kubelet gives the same GPUs.
+    containers = pod_containers(pod(ctr("app", app_limits),
+                                    init=(ctr("init", {"nvidia.com/gpu": 1}),)),
+                                "pod.yaml", kubelet)
+    engine = Engine(demo_inventory(), kubernetes())
+    out, err = io.StringIO(), io.StringIO()
+    assert explain(containers, engine, out=out, err=err) == 0, err.getvalue()
+    init, app = (set(granted(c.info.container_annotations[GPU_KEY])) for c in containers)
+    assert init <= app
+    assert engine.holdings.get("ml/p/init") is None
+    assert len(engine.holdings.get("ml/p/app").exclusive) == len(app)
 
 
 def test_a_sidecar_init_container_keeps_its_devices(kubelet):

@@ -234,7 +234,10 @@ def test_logs_go_to_stderr_or_the_given_file_or_the_preregistered_default(
     assert f is not None and f.path == str(default)  # type: ignore[attr-defined]
     f.close()
     missing = tmp_path / "no" / "such" / "dir.log"
-    assert log.open_log_file(str(missing), preregistered=True) is None
+    with pytest.raises(FileNotFoundError):  # the App refuses it: --log-file, exit 2
+        log.open_log_file(str(missing), preregistered=True)
+    monkeypatch.setattr(log, "DEFAULT_PREREGISTERED_LOG", str(missing))
+    assert log.open_log_file(None, preregistered=True) is None  # the default: stderr
     assert f"cannot open log file {missing}" in capsys.readouterr().err
 
 

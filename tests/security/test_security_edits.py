@@ -144,6 +144,18 @@ def test_unsafe_inventory_mounts_are_refused(mount: Mount) -> None:
         eng.plan(container(pod={"devices.nri-accel.io": "nvidia.com/gpu=0"}))
 
 
+def test_refused_inventory_edits_are_logged_when_the_engine_takes_the_inventory(
+        all_logs: None) -> None:
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        engine("standalone", _inventory_with(ContainerEdits(
+            device_nodes=(DeviceNode("/etc/passwd", 195, 0),))))
+    (refused,) = [e for e in logs if e["event"] == "inventory_edits_refused"]
+    assert (refused["device"], refused["log_level"]) == ("nvidia.com/gpu=0", "error")
+    assert "'/etc/passwd' is not under /dev" in refused["reason"]
+
+
 def test_mount_options_are_forced_read_only() -> None:
     out = check_edits(ContainerEdits(mounts=(
         Mount("/usr/lib/x", "/usr/lib/x", options=("rw", "suid", "dev", "rbind")),)))
