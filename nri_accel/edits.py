@@ -79,6 +79,7 @@ from nri_accel.inventory import (
     natural_key,
     vendor_of,
 )
+from nri_accel.memo import Memo
 from nri_accel.select import Selection
 from nri_accel.vendors import PROFILES, family_of
 from nri_accel.vendors.base import Checked, DriverFiles, take
@@ -185,9 +186,13 @@ _HOLDING_FORBIDDEN = frozenset(root[:i] for root in FORBIDDEN_SOURCES
 RUNTIME_ACCESS = frozenset("rw")
 NO_ACCESS = "none"  # CDI's keyword for a node with an empty cgroup rule (pkg/cdi)
 FORBIDDEN_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT"})
-MEMO_SIZE = 4096  # grants remembered per inventory before the memo starts over
-EDITS_MEMO_SIZE = 1024  # container edits remembered per inventory (per grant and env)
-EDITS_MEMO_CHARS = 4096  # the largest env added that they are remembered with
+# build()'s memos, per inventory, bounded by entries and by the characters of the
+# requests (and env added) they keep (nri_accel.memo): a Request holds its parsed
+# NVIDIA_REQUIRE_* constraints, some 25 times the text they were written in.
+MEMO_SIZE = 4096  # grants remembered before the memo starts over
+MEMO_CHARS = 256 * 1024
+EDITS_MEMO_SIZE = 1024  # container edits remembered (per grant and env added)
+EDITS_MEMO_CHARS = 256 * 1024
 LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
 # The longest "KEY=VALUE" string execve(2) accepts (MAX_ARG_STRLEN, 32 pages): a longer
 # LD_LIBRARY_PATH could not reach the container's process anyway, and extending one
@@ -230,11 +235,13 @@ class Catalog(Struct, frozen=True, eq=False):
     files: DriverFiles  # (vendor, capability) -> driver edits; the families' tables
     hook_path: str  # the ld.so.cache hook binary; "" when no hook may be emitted
     # build()'s memo of the grant-dependent part of the edits, per grant.
-    memo: dict[tuple[Any, ...], _Common] = field(default_factory=dict)
+    memo: Memo[tuple[Any, ...], _Common] = field(
+        default_factory=lambda: Memo(MEMO_SIZE, MEMO_CHARS))
     # build()'s edits per grant and env added, of containers whose own devices and
     # mounts replace none of the grant's: one object for all such containers, so that
     # its hash (the adjustment memo's key, nri_accel.nri.adjust) is taken once.
-    edits: dict[tuple[Any, ...], ContainerEdits] = field(default_factory=dict)
+    edits: Memo[tuple[Any, ...], ContainerEdits] = field(
+        default_factory=lambda: Memo(EDITS_MEMO_SIZE, EDITS_MEMO_CHARS))
 
 
     def refused(self) -> tuple[tuple[str, str], ...]:
@@ -526,9 +533,7 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
     common = catalog.memo.get(key)
     if common is None:
         common = _common(selection, request, catalog)
-        if len(catalog.memo) >= MEMO_SIZE:
-            catalog.memo.clear()
-        catalog.memo[key] = common
+        catalog.memo.put(key, common, request.chars)
 
     own_env = _own_env(container_env, common.env_keys)
     env = dict(common.env)
@@ -550,17 +555,14 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
         nodes = _not_in_spec(nodes, spec_devices)
     if not mount_destinations.isdisjoint(common.mount_paths):
         mounts = tuple(m for m in mounts if m.container_path not in mount_destinations)
-    # The memo keeps edits whose env is small: at most EDITS_MEMO_SIZE * EDITS_MEMO_CHARS.
     memo_key = ((key, added) if nodes is common.nodes and mounts is common.mounts
-                and sum(map(len, added)) <= EDITS_MEMO_CHARS else None)
+                else None)
     edits = catalog.edits.get(memo_key) if memo_key else None
     if edits is None:
         edits = ContainerEdits(env=added, device_nodes=nodes, mounts=mounts,
                                hooks=common.hooks, additional_gids=common.gids)
         if memo_key:
-            if len(catalog.edits) >= EDITS_MEMO_SIZE:
-                catalog.edits.clear()
-            catalog.edits[memo_key] = edits
+            catalog.edits.put(memo_key, edits, request.chars + sum(map(len, added)))
     return Built(edits, common.notes, common.facts)
 
 

@@ -31,12 +31,12 @@ narrows anyway).
 
 Every container of every pod is explained, in order, against one KubeletDevices and one
 Engine (so later containers see what earlier ones hold, but for an init container that
-is not a sidecar, which exits, its grant released, before the next one is created); --container shows only the
-containers of that name (all are still allocated, in order). Output: per container the
-annotations kubelet passed, the devices, env, device nodes, mounts, hooks, annotations
-and notes; with --json the protobuf JSON mapping of the ContainerAdjustment (one
-container: the adjustment itself; several: an object keyed by "namespace/pod/container").
-Exit 0
+is not a sidecar, which exits, its grant released, before the next one is created);
+--container shows only the containers of that name (all are still allocated, in order).
+Output: per container the annotations kubelet passed, the devices, env, device nodes,
+mounts, hooks, annotations and notes; with --json the protobuf JSON mapping of the
+ContainerAdjustment (one container: the adjustment itself; several: an object keyed by
+"namespace/pod/container"; a refused container is left out, and said on stderr). Exit 0
 when every container was planned, 1 when any request was refused (the reason on stderr,
 naming the annotation or variable) or a pod asks for more of a resource than is free, 2
 for an unreadable manifest, inventory or configuration.

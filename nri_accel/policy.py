@@ -45,9 +45,11 @@ from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING
 
 from msgspec import Struct
+from msgspec.structs import replace
 
 from nri_accel.container import ContainerInfo
 from nri_accel.errors import PolicyError, cut
+from nri_accel.memo import Memo, text_chars
 from nri_accel.request import Origin, Parsed, Source, check_bounds, parse, read_by_parse
 from nri_accel.syntax import MAX_NAME_CHARS, DeviceClaim, claim_order
 
@@ -85,6 +87,8 @@ class Request(Struct, frozen=True):
     visible: frozenset[str] = frozenset()
     cdi_names: tuple[str, ...] = ()  # granted CDI requests as written ("vendor/class=name")
     notes: tuple[str, ...] = ()
+    chars: int = 0  # of the annotations and env it was read from (what memos keeping it
+    # are charged: nri_accel.memo)
 
     def option(self, family: str) -> Hashable:
         """The family's settings; None when the container left them at their default."""
@@ -135,22 +139,18 @@ class Policy(Struct, frozen=True):
 
         Remembered by what parse() reads of the container and its namespace (the
         replicas and restarts of a workload ask alike): a third of a CreateContainer's
-        time when it grants (bench_hotpath.py). Refusals are not remembered, nor the
-        Requests of a namespace or container name longer than MAX_NAME_CHARS (Kubernetes
-        allows 63): the memo's keys would hold them. A request over the bounds of
+        time when it grants (bench_hotpath.py), in a memo bounded by the characters of
+        its keys (nri_accel.memo: a request read from a sixteenth of them or more is not
+        kept). Refusals are not remembered. A request over the bounds of
         nri_accel.request.check_bounds() is refused before any of this."""
         check_bounds(info)
-        if len(info.namespace) > MAX_NAME_CHARS or len(info.container_name) > MAX_NAME_CHARS:
-            return self.apply(parse(info), info.namespace)
-        key = (self, info.namespace, *read_by_parse(info))
-        try:
-            return _REQUESTS[key]
-        except KeyError:
-            pass
-        request = self.apply(parse(info), info.namespace)
-        if len(_REQUESTS) >= REQUEST_MEMO_SIZE:
-            _REQUESTS.clear()
-        _REQUESTS[key] = request
+        read = (info.namespace, *read_by_parse(info))
+        key = (self, *read)
+        request = _REQUESTS.get(key)
+        if request is None:
+            chars = text_chars(read)
+            request = replace(self.apply(parse(info), info.namespace), chars=chars)
+            _REQUESTS.put(key, request, chars)
         return request
 
     def apply(self, parsed: Parsed, namespace: str) -> Request:
@@ -216,9 +216,11 @@ class Policy(Struct, frozen=True):
 
 _RANK = {Origin.CONTAINER: 0, Origin.POD: 1, Origin.ENV: 2}
 REQUEST_MEMO_SIZE = 512
-"""Requests remembered before the memo starts over. Its keys hold only the annotations
-and env entries parse() reads, each value and all of them together size-limited."""
-_REQUESTS: dict[tuple[Hashable, ...], Request] = {}
+"""Requests remembered before the memo starts over. Its keys hold the annotations and
+env entries parse() reads (under nri-accel's prefixes, a value it does not parse for
+this container included): bounded by their characters too, REQUEST_MEMO_CHARS."""
+REQUEST_MEMO_CHARS = 256 * 1024
+_REQUESTS: Memo[tuple[Hashable, ...], Request] = Memo(REQUEST_MEMO_SIZE, REQUEST_MEMO_CHARS)
 
 
 def _demoted(src: Source) -> Source:

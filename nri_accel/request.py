@@ -48,7 +48,6 @@ import enum
 import re
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from functools import lru_cache
 from itertools import islice
 from operator import methodcaller
 
@@ -56,6 +55,7 @@ from msgspec import Struct
 
 from nri_accel.container import ContainerInfo
 from nri_accel.errors import RequestError
+from nri_accel.memo import memoized
 from nri_accel.syntax import (
     MAX_IDS,
     MAX_NAME_CHARS,
@@ -448,7 +448,7 @@ def _check_read_chars(read: Iterable[str]) -> None:
                            source=named("env", name))
 
 
-@lru_cache(maxsize=1024)
+@memoized(1024, 256 * 1024)
 def _read_env_part(env: tuple[str, ...]) -> _EnvPart:
     """_env_part(), memoised. OCI env semantics: the last definition of a name wins;
     entries without '=' are not variables. The variables some family reads are checked
@@ -488,8 +488,9 @@ _NO_ENV = _EnvPart((), ())
 # ---- value syntax ------------------------------------------------------------------------
 
 # The value parsers are pure and memoised: a pod's annotations repeat for each of its
-# containers and across the replicas of a workload. Errors are not memoised.
-@lru_cache(maxsize=4096)
+# containers and across the replicas of a workload. Errors are not memoised; the memos
+# are bounded by the characters of what they were given (nri_accel.memo).
+@memoized(4096, 256 * 1024)
 def _parse_devices(value: str, source: str) -> tuple[DeviceClaim, ...]:
     """The devices.nri-accel.io grammar (README.md, "Requesting devices"): entries
     separated by ';' or newlines; an entry is ``KIND=ID[,ID...]`` (a token with '='
@@ -526,7 +527,7 @@ def _parse_devices(value: str, source: str) -> tuple[DeviceClaim, ...]:
     return acc.claims()
 
 
-@lru_cache(maxsize=4096)
+@memoized(4096, 256 * 1024)
 def _parse_cdi_value(value: str, source: str) -> tuple[DeviceClaim, ...]:
     """A CDI annotation value (cdi.k8s.io/*): comma-separated fully qualified names, as
     tags.cncf.io/container-device-interface pkg/cdi/producer/annotations Parse() reads
@@ -550,14 +551,16 @@ def _parse_cdi_list(names: Iterable[str], source: str) -> tuple[DeviceClaim, ...
 def _injector_cdi_claims(value: str, source: str) -> tuple[DeviceClaim, ...]:
     """containerd/nri device-injector's CDI annotation: a YAML list of CDI names.
     Memoised, failures too (_parse_injector_cdi): parsing 4 KiB of YAML costs
-    milliseconds even with libyaml."""
+    milliseconds even with libyaml. Its size is checked first, so that no memo keeps a
+    value refused for it."""
+    check_text(value, source, newlines=True)
     found = _parse_injector_cdi(value, source)
     if isinstance(found, str):
         raise RequestError(found, source=source)
     return found
 
 
-@lru_cache(maxsize=1024)
+@memoized(1024, 256 * 1024)
 def _parse_injector_cdi(value: str, source: str) -> tuple[DeviceClaim, ...] | str:
     """_injector_cdi_claims(): the claims, or the message of the RequestError to raise
     (a fresh one each time: a raised exception keeps its traceback)."""

@@ -48,6 +48,7 @@ from msgspec import Struct
 
 from nri_accel.errors import AllocationError, NotFoundError, PolicyError, cut
 from nri_accel.inventory import Device, Inventory, parse_pci_bus_id, vendor_of
+from nri_accel.memo import Memo
 from nri_accel.policy import Request
 from nri_accel.syntax import DeviceClaim
 from nri_accel.topology import Topology
@@ -147,7 +148,7 @@ class DeviceIndex:
         self.topology = Topology.build([d.numa_node for d in devices], peers)
         self._describe = MappingProxyType({k: self._describe_kind(k)
                                            for k in {*inventory.kinds(), *members}})
-        self._memos: dict[str, dict[Any, Any]] = {}
+        self._memos: dict[str, Memo[Any, Any]] = {}
         self._choices: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
 
     def members(self, kind: str) -> tuple[str, ...]:
@@ -179,10 +180,13 @@ class DeviceIndex:
             self._choices[key] = found
         return found
 
-    def memo(self, family: str) -> dict[Any, Any]:
-        """A dict a family may keep per-inventory results in (it lives as long as this
-        index; the family bounds its size)."""
-        return self._memos.setdefault(family, {})
+    def memo(self, family: str, entries: int, chars: int) -> Memo[Any, Any]:
+        """A Memo a family may keep per-inventory results in (it lives as long as this
+        index), of the bounds the family gives."""
+        found = self._memos.get(family)
+        if found is None:
+            found = self._memos[family] = Memo(entries, chars)
+        return found
 
     def resolve(self, kind: str, ident: str) -> tuple[Device | None, bool]:
         """The device of (a kind covered by) `kind` answering to `ident`, and whether

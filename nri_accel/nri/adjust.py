@@ -49,7 +49,8 @@ from nri_accel.inventory import (
 )
 from nri_accel.nri import nri_pb2 as pb
 
-MAX_MEMO_ENV_CHARS = 16384  # adjustments whose env is larger are not memoised
+MAX_MEMO_ENV_CHARS = 4096  # adjustments whose env is larger are not memoised (1024 of
+# them: at most some 8 MiB, their encodings included)
 
 # CDI/OCI hook names (Hook.hook_name) -> fields of nri Hooks.
 HOOK_FIELDS = {

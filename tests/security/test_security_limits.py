@@ -58,6 +58,37 @@ def test_memos_do_not_keep_large_container_env() -> None:
     assert _retained(plan, 16) < 4 * MIB  # 32 MiB would stay if the memos kept them
 
 
+def test_memos_are_bounded_by_the_text_they_keep_not_only_their_entries() -> None:
+    # A pod author in an untrusted namespace, granted nothing, creates containers of
+    # distinct values under the bounds on one request: 6.4 KiB of NVIDIA_REQUIRE_* (500
+    # constraints: some 150 KiB of parsed objects, which the request, edits and
+    # requirement memos kept, thousands of entries each: 700 MiB after 4,200 creates),
+    # a 250 KiB annotation under nri-accel's prefix that this container does not read
+    # (the request memo's key), and a 250 KiB device-injector value refused for its size
+    # (the injector memo kept failures).
+    eng = engine()
+
+    def require(i: int) -> None:
+        env = [f"NVIDIA_REQUIRE_V{v}=" + " ".join(f"cuda>={i}.{v}{j}" for j in range(25))
+               for v in range(20)]
+        assert eng.plan(container(env=env, cid=f"c{i}", pod_name=f"p{i}")).devices == ()
+
+    def unread(i: int) -> None:
+        big = f"{i:06d}" + "x" * (250 << 10)
+        eng.plan(container(pod={"devices.nri-accel.io/container.other": big},
+                           cid=f"d{i}", pod_name=f"q{i}"))
+
+    def refused(i: int) -> None:
+        big = f"{i:06d}" + "b" * (250 << 10)
+        with pytest.raises(RequestError):
+            eng.plan(container(pod={"cdi-devices.noderesource.dev/pod": big},
+                               cid=f"e{i}", pod_name=f"r{i}"))
+
+    assert _retained(require, 300) < 8 * MIB  # was 45 MiB
+    assert _retained(unread, 100) < 4 * MIB  # was 25 MiB
+    assert _retained(refused, 100) < 4 * MIB  # was 25 MiB
+
+
 def test_variables_nri_accel_reads_are_bounded_in_total() -> None:
     many = [f"NVIDIA_REQUIRE_X{i}=" + ",".join(["cuda>=1.0"] * 300) for i in range(500)]
     with pytest.raises(RequestError, match=f"more than {MAX_ENV_READ_CHARS}") as err:

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable, Mapping, Sequence
-from functools import lru_cache
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +79,7 @@ from msgspec import Struct
 
 from nri_accel.errors import RequestError, cut
 from nri_accel.inventory import Device
+from nri_accel.memo import memoized
 from nri_accel.syntax import ClaimSet, DeviceClaim, check_id, check_kind, check_text
 from nri_accel.vendors.base import (
     BASE,
@@ -484,7 +484,7 @@ def _jit_id(ident: str, token: str, source: str) -> str:
                        "(0), a MIG index (0:1), GPU-<uuid> or MIG-<uuid>", source=source)
 
 
-@lru_cache(maxsize=256)
+@memoized(256, 64 * 1024)
 def parse_capabilities(value: str, source: str) -> tuple[frozenset[str], str]:
     """Toolkit semantics (cmd/nvidia-container-runtime-hook getDriverCapabilities, and
     internal/config/image NewDriverCapabilities): an empty value is the default
@@ -545,21 +545,22 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
     # A whole grant is looked up at once (a node's few grants recur), by its devices'
     # identities in the index, which lives as long as the memo. Requirements cache
     # their hash, and a memoised parse hands the same object to every create of an image.
-    memo: dict[Any, Any] = index.memo(VENDOR)
+    memo = index.memo(VENDOR, _MEMO_SIZE, _MEMO_CHARS)
     key = (reqs, tuple(map(id, devices)))
-    try:
-        failure = memo[key]
-    except KeyError:
+    failure = memo.get(key, _UNKNOWN)
+    if failure is _UNKNOWN:
         failure = next(((d.qualified_name, *failed) for d in devices
                         if (failed := _unsatisfied(index, reqs, _facts(index, d))) is not None),
                        None)
-        _remember(memo, key, failure)
+        memo.put(key, failure, reqs.chars)
     if failure is not None:
         name, source, why = failure
         raise RequestError(f"{name}: {why}", source=source)
 
 
 _MEMO_SIZE = 4096  # requirement checks remembered per inventory before starting over
+_MEMO_CHARS = 256 * 1024  # ... and the characters of the requirements they hold
+_UNKNOWN = object()  # not in the memo (None there: the requirements hold)
 
 _Facts = tuple[tuple[str, str], ...]
 
@@ -570,21 +571,13 @@ def _unsatisfied(index: Any, reqs: Requirements, facts: _Facts) -> tuple[str, st
     the same requirements, and a node's GPUs share a few sets of facts (one, where they
     are all of one model), so a grant of hundreds of GPUs costs one evaluation per set,
     not one per GPU."""
-    memo: dict[Any, tuple[str, str] | None] = index.memo(VENDOR)
+    memo = index.memo(VENDOR, _MEMO_SIZE, _MEMO_CHARS)
     key = (reqs, facts)
-    try:
-        return memo[key]
-    except KeyError:
-        pass
-    result = reqs.unsatisfied(dict(facts))
-    _remember(memo, key, result)
-    return result
-
-
-def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
-    if len(memo) >= _MEMO_SIZE:
-        memo.clear()
-    memo[key] = value
+    result = memo.get(key, _UNKNOWN)
+    if result is _UNKNOWN:
+        result = reqs.unsatisfied(dict(facts))
+        memo.put(key, result, reqs.chars)
+    return result  # type: ignore[no-any-return]
 
 
 def _facts(index: Any, device: Device | None) -> _Facts:

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from functools import lru_cache
 
 from msgspec import Struct
 
 from nri_accel.errors import RequestError, cut
+from nri_accel.memo import memoized
 
 _SHOWN = 40  # characters of a requirement or version quoted in a message
 
@@ -159,6 +159,12 @@ class Requirements(Struct, frozen=True, cache_hash=True):
 
     items: tuple[Requirement, ...] = ()
 
+    @property
+    def chars(self) -> int:
+        """The characters of the variables they were parsed from (what a memo keeping
+        them is charged: nri_accel.memo)."""
+        return sum(len(r.text) for r in self.items)
+
     def unsatisfied(self, facts: Mapping[str, str]) -> tuple[str, str] | None:
         """(source, reason) of the first requirement `facts` fail, or None."""
         for req in self.items:
@@ -167,7 +173,7 @@ class Requirements(Struct, frozen=True, cache_hash=True):
         return None
 
 
-@lru_cache(maxsize=1024)  # CUDA images repeat the same constraints across alternatives
+@memoized(1024, 64 * 1024)  # CUDA images repeat the same constraints across alternatives
 def _parse_constraint(expr: str, source: str) -> Constraint:
     n = len(expr)
     i = 0
@@ -212,7 +218,7 @@ def _overflows(digits: str) -> bool:
     return len(digits) > 10 or (len(digits) == 10 and int(digits) > UINT32_MAX)
 
 
-@lru_cache(maxsize=512)
+@memoized(512, 256 * 1024)
 def parse_requirement(source: str, text: str) -> Requirement:
     """Parse one NVIDIA_REQUIRE_* value; RequestError(source=source) when malformed."""
     groups = []

@@ -1,0 +1,96 @@
+"""Memos bounded by the text they were made from, not only by their entries.
+
+Owns: Memo and memoized(). Imports the standard library only.
+
+The hot path remembers what it parsed and built (a workload's replicas and restarts ask
+alike), keyed by, or made from, what a pod author wrote: annotation values, env entries.
+An entry costs memory in proportion to that text, and more: 6 KiB of NVIDIA_REQUIRE_*
+constraints parse into some 150 KiB of objects. A bound on entries alone lets one pod
+author who creates a few thousand containers of distinct, large values hold hundreds of
+MiB (issue #10: caches have byte bounds). So a Memo counts the characters of the text
+behind each entry and starts over when either bound would be passed, and keeps no entry
+over a sixteenth of its characters: such a value is parsed again each time, as rare as
+it is (every bound on one value is far above what real requests write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from functools import wraps
+from typing import Any, Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+F = TypeVar("F", bound=Callable[..., Any])
+
+ENTRY_SHARE = 16  # an entry may hold at most 1/ENTRY_SHARE of a memo's characters
+
+
+class Memo(Generic[K, V]):
+    """A dict of at most `entries` entries made from at most `chars` characters of text
+    in all (each entry's as its put() says)."""
+
+    __slots__ = ("_chars", "_data", "chars", "entries")
+
+    def __init__(self, entries: int, chars: int) -> None:
+        self._data: dict[K, V] = {}
+        self._chars = 0
+        self.entries = entries
+        self.chars = chars
+
+    def get(self, key: K, default: Any = None) -> Any:
+        return self._data.get(key, default)
+
+    def put(self, key: K, value: V, chars: int) -> None:
+        """Remember `value` under `key`, made from `chars` characters; not at all when
+        they are over a sixteenth of the memo's; after starting over, when a bound would
+        be passed."""
+        if chars > self.chars // ENTRY_SHARE:
+            return
+        if len(self._data) >= self.entries or self._chars + chars > self.chars:
+            self.clear()
+        self._data[key] = value
+        self._chars += chars
+
+    def clear(self) -> None:
+        self._data.clear()
+        self._chars = 0
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    @property
+    def held_chars(self) -> int:
+        """The characters behind the entries held."""
+        return self._chars
+
+
+def text_chars(value: object) -> int:
+    """The characters of a str, or of the strings (nested in tuples) of a key."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, tuple):
+        return sum(map(text_chars, value))
+    return 0
+
+
+def memoized(entries: int, chars: int) -> Callable[[F], F]:
+    """Memoise a pure function of strings (and tuples of them) in a Memo(entries,
+    chars), charged with the characters of its arguments. Exceptions are not memoised;
+    a None result is not either (it is computed again)."""
+
+    def wrap(fn: F) -> F:
+        memo: Memo[tuple[Any, ...], Any] = Memo(entries, chars)
+
+        @wraps(fn)
+        def call(*args: Any) -> Any:
+            found = memo.get(args)
+            if found is None:
+                found = fn(*args)
+                memo.put(args, found, text_chars(args))
+            return found
+
+        call.memo = memo  # type: ignore[attr-defined]
+        return call  # type: ignore[return-value]
+
+    return wrap
