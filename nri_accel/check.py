@@ -57,7 +57,9 @@ from nri_accel.nri.stub import Identity, RuntimeInfo, Stub
 from nri_accel.state import NriStatus
 
 if TYPE_CHECKING:
+    from nri_accel.config import Config
     from nri_accel.discover.hostroot import HostRoot
+    from nri_accel.inventory import Inventory
 
 PROBE_NAME = "nri-accel-check"
 PROBE_IDX = "99"
@@ -260,6 +262,24 @@ def runtime_config_findings(root: HostRoot, *, socket_path: str, plugin_name: st
     return out
 
 
+def _absent_kinds(config: Config, inventory: Inventory) -> list[Finding]:
+    """A warning for each kind or resource the configuration names that this node does
+    not have: a misspelt one would change nothing, silently (a configuration shared by
+    nodes of other hardware names some on purpose)."""
+    from nri_accel.deviceplugin.resources import resources_from_inventory
+
+    kinds = {d.kind for d in inventory.devices}
+    resources = {r.name for r in resources_from_inventory(inventory, config)[0]}
+    named = [*(("devices.shared_kinds", k, "device kind", kinds)
+               for k in sorted(config.devices.shared_kinds)),
+             *(("device_plugin.resource_names", k, "device kind", kinds)
+               for k, _ in config.device_plugin.resource_names),
+             *(("device_plugin.replicas", r, "advertised resource", resources)
+               for r, _ in config.device_plugin.replicas)]
+    return [("warn", f"{key} {name!r}: no such {what} on this node (misspelt? here it "
+             "changes nothing)") for key, name, what, present in named if name not in present]
+
+
 def main_check(args: argparse.Namespace) -> int:
     app = App.from_args(args, mode=REPORT)
     config = app.config
@@ -279,6 +299,7 @@ def main_check(args: argparse.Namespace) -> int:
     findings += [("warn", f"{p.source}: {p.message}") for p in inventory.problems]
     findings += [("error", f"{who}: edits refused, a container granted it fails: {why}")
                  for who, why in compile_catalog(inventory, config.devices).refused()]
+    findings += _absent_kinds(config, inventory)
 
     socket_path = args.socket or config.nri.socket
     runtime = None

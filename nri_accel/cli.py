@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Pod manifest (YAML or JSON)")
     p.add_argument("--container", metavar="NAME", help="container name (default: every container)")
     p.add_argument("--json", action="store_true",
-                   help="print the ContainerAdjustment in protobuf JSON mapping")
+                   help="print the ContainerAdjustment in protobuf JSON mapping (of "
+                   "several containers: an object keyed by namespace/pod/container)")
     _add_config(p)
     p.set_defaults(target="nri_accel.explain:main_explain")
 

@@ -65,7 +65,7 @@ from nri_accel.deviceplugin.resources import (
     resources_from_inventory,
 )
 from nri_accel.engine import Engine, Plan
-from nri_accel.errors import AllocationError, ConfigError, RequestError
+from nri_accel.errors import AllocationError, ConfigError, RequestError, cut
 from nri_accel.inventory import Inventory
 
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job",
@@ -181,12 +181,14 @@ def _section(lines: list[str], title: str, items: Iterable[str]) -> None:
 # ---- Pod manifests -----------------------------------------------------------------------
 
 
-def read_manifests(path: str) -> list[dict[str, Any]]:
-    """The pod-shaped documents of a YAML/JSON file (Pods, Lists, workload templates).
+def read_manifests(path: str, err: IO[str] | None = None) -> list[dict[str, Any]]:
+    """The pod-shaped documents of a YAML/JSON file (Pods, Lists, workload templates);
+    an object of another kind (a ConfigMap kept beside the Pod) is skipped, said on
+    `err` (default stderr).
 
     Raises ConfigError naming the file (and the document and key) for a file that
-    cannot be read, is not UTF-8, not YAML, nested too deeply to parse, or holds
-    anything but Pods."""
+    cannot be read, is not UTF-8, not YAML, nested too deeply to parse, holds no Pod, or
+    holds something that is not a Kubernetes object."""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_MANIFEST_BYTES + 1)
@@ -207,14 +209,19 @@ def read_manifests(path: str) -> list[dict[str, Any]]:
         raise ConfigError("not readable YAML: sequences or mappings nested too deeply",
                           source=path) from e
     pods: list[dict[str, Any]] = []
+    skipped: list[str] = []
     for i, doc in enumerate(docs):
-        pods.extend(_pods_of(doc, f"{path}: document {i + 1}"))
+        pods.extend(_pods_of(doc, f"{path}: document {i + 1}", skipped))
     if not pods:
-        raise ConfigError("no Pod in this file", source=path)
+        raise ConfigError("no Pod in this file" + (f" ({'; '.join(skipped)})" if skipped
+                                                   else ""), source=path)
+    for what in skipped:
+        print(f"nri-accel: skipped {what}", file=err if err is not None else sys.stderr)
     return pods
 
 
-def _pods_of(doc: Any, where: str, depth: int = 0) -> list[dict[str, Any]]:
+def _pods_of(doc: Any, where: str, skipped: list[str],
+             depth: int = 0) -> list[dict[str, Any]]:
     if not isinstance(doc, dict):
         raise ConfigError("expected a Kubernetes object (a mapping)", source=where)
     kind = doc.get("kind", "Pod")
@@ -228,7 +235,7 @@ def _pods_of(doc: Any, where: str, depth: int = 0) -> list[dict[str, Any]]:
         if not isinstance(items, list):
             raise ConfigError("items must be a list", source=where)
         return [p for i, item in enumerate(items)
-                for p in _pods_of(item, f"{where}.items[{i}]", depth + 1)]
+                for p in _pods_of(item, f"{where}.items[{i}]", skipped, depth + 1)]
     if kind == "Pod":
         return [doc]
     if kind in WORKLOAD_KINDS or kind == "CronJob":
@@ -242,8 +249,9 @@ def _pods_of(doc: Any, where: str, depth: int = 0) -> list[dict[str, Any]]:
         meta.setdefault("name", outer.get("name", "pod"))
         meta.setdefault("namespace", outer.get("namespace", "default"))
         return [{"kind": "Pod", "metadata": meta, "spec": template.get("spec")}]
-    raise ConfigError(f"kind {kind!r} is not a Pod (nor a List or workload of Pods)",
-                      source=where)
+    skipped.append(f"{where}: kind {cut(kind, 64)!r} is not a Pod (nor a List or workload "
+                   "of Pods)")
+    return []
 
 
 class DeviceRequest(Struct, frozen=True):

@@ -167,6 +167,27 @@ def test_a_saved_inventory_whose_edits_are_refused_is_an_error(
     assert why in error
 
 
+def test_kinds_and_resources_the_config_names_that_the_node_lacks_are_warnings(
+        tmp_path, capsys) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(textwrap.dedent("""\
+        [devices]
+        shared_kinds = ["nvidia.com/mig", "nvidia.com/gpuu"]
+        [device_plugin.replicas]
+        "nvidia.com/gpu" = 2
+        "nvidia.com/gpuu" = 4
+        [device_plugin.resource_names]
+        "nvidia.com/gpuu" = "x.io/gpu"
+        """))
+    assert main(["check", "--inventory", str(DEMO), "--config", str(config),
+                 "--socket", str(tmp_path / "s")]) == 0
+    warned = [line for line in lines(capsys.readouterr().out) if "misspelt" in line]
+    assert [line.split(":")[1].strip() for line in warned] == [
+        "devices.shared_kinds 'nvidia.com/gpuu'",
+        "device_plugin.resource_names 'nvidia.com/gpuu'",
+        "device_plugin.replicas 'nvidia.com/gpuu'"]
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
 def test_timeout_must_be_positive_seconds(value, capsys) -> None:
     with pytest.raises(SystemExit) as exc:

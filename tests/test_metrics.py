@@ -573,3 +573,12 @@ def test_serves_on_ipv6() -> None:
 def test_interval_must_be_shorter_than_stale_after() -> None:
     with pytest.raises(ValueError, match="interval"):
         MetricsServer(run_metrics(), LOCAL, ready=lambda: None, interval=5, stale_after=5)
+
+
+@pytest.mark.parametrize("make", [run_metrics, device_plugin_metrics])
+def test_the_readme_names_every_metric_each_process_exports(make: Callable[[], Any]) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    names = {f.name + ("_total" if f.type == "counter" else "")
+             for f in make().registry.collect()}
+    assert len(names) >= 5  # the registry is read (labelled families without samples too)
+    assert sorted(n for n in names if f"`{n}`" not in readme and f"`{n}{{" not in readme) == []

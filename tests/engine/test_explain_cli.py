@@ -229,7 +229,8 @@ items:
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("kind: Service\nmetadata: {name: x}\n", "kind 'Service' is not a Pod"),
+    ("kind: Service\nmetadata: {name: x}\n",
+     "no Pod in this file ("),
     ("{not yaml", "not valid YAML"),
     ("kind: Pod\nmetadata: {name: x}\nspec: {containers: []}\n", "the pod has no containers"),
     ("kind: Pod\nmetadata: {name: x, annotations: {a: 1}}\nspec: {containers: [{name: c}]}\n",
@@ -243,6 +244,15 @@ def test_bad_manifests_are_usage_errors_naming_the_file(capsys, tmp_path, text, 
     rc, out, err = explain(capsys, pod)
     assert rc == 2 and out == ""
     assert str(pod) in err and message in err
+
+
+def test_objects_beside_the_pod_are_skipped_and_said(capsys, tmp_path):
+    pod = write(tmp_path, "kind: ConfigMap\nmetadata: {name: cfg}\ndata: {a: b}\n---\n"
+                          "kind: Pod\nmetadata: {name: p}\nspec: {containers: [{name: c}]}\n")
+    rc, out, err = explain(capsys, pod)
+    assert rc == 0 and "pod default/p, container c" in out
+    assert err == (f"nri-accel: skipped {pod}: document 1: kind 'ConfigMap' is not a Pod "
+                   "(nor a List or workload of Pods)\n")
 
 
 def test_missing_manifest(capsys, tmp_path):
