@@ -190,9 +190,9 @@ FORBIDDEN_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT"})
 # requests (and env added) they keep (nri_accel.memo): a Request holds its parsed
 # NVIDIA_REQUIRE_* constraints, some 25 times the text they were written in.
 MEMO_SIZE = 4096  # grants remembered before the memo starts over
-MEMO_CHARS = 256 * 1024
+MEMO_CHARS = 1024 * 1024
 EDITS_MEMO_SIZE = 1024  # container edits remembered (per grant and env added)
-EDITS_MEMO_CHARS = 256 * 1024
+EDITS_MEMO_CHARS = 1024 * 1024
 LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
 # The longest "KEY=VALUE" string execve(2) accepts (MAX_ARG_STRLEN, 32 pages): a longer
 # LD_LIBRARY_PATH could not reach the container's process anyway, and extending one
@@ -533,7 +533,7 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
     common = catalog.memo.get(key)
     if common is None:
         common = _common(selection, request, catalog)
-        catalog.memo.put(key, common, request.chars)
+        catalog.memo.put(key, common, request.chars, request.env, request.env_chars)
 
     own_env = _own_env(container_env, common.env_keys)
     env = dict(common.env)
@@ -562,7 +562,8 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
         edits = ContainerEdits(env=added, device_nodes=nodes, mounts=mounts,
                                hooks=common.hooks, additional_gids=common.gids)
         if memo_key:
-            catalog.edits.put(memo_key, edits, request.chars + sum(map(len, added)))
+            catalog.edits.put(memo_key, edits, request.chars + sum(map(len, added)),
+                              request.env, request.env_chars)
     return Built(edits, common.notes, common.facts)
 
 

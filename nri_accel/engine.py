@@ -122,14 +122,17 @@ class Engine:
         self.holds = self.holdings.holds
         self._discovered = inventory  # what discovery found; health marks go on top
         self._unhealthy: dict[str, Mapping[str, str]] = {}  # family -> key -> reason
+        self._refused: frozenset[tuple[str, str]] = frozenset()  # inventory edits, logged
         self._tables = self._compile(inventory)
         self.holdings.set_parts(_parts(inventory))
 
     def _compile(self, inventory: Inventory) -> _Tables:
         catalog = compile_catalog(inventory, self._config.devices)
-        for who, why in catalog.refused():
+        refused = frozenset(catalog.refused())
+        for who, why in sorted(refused - self._refused):  # said once, not at each health mark
             log.error("inventory_edits_refused", device=who, reason=why,
                       effect="a container granted it fails, naming it")
+        self._refused = refused
         return _Tables(DeviceIndex(inventory), catalog, inventory)
 
     @property

@@ -30,30 +30,40 @@ class Memo(Generic[K, V]):
     """A dict of at most `entries` entries made from at most `chars` characters of text
     in all (each entry's as its put() says)."""
 
-    __slots__ = ("_chars", "_data", "chars", "entries")
+    __slots__ = ("_chars", "_data", "_shared", "chars", "entries")
 
     def __init__(self, entries: int, chars: int) -> None:
         self._data: dict[K, V] = {}
         self._chars = 0
+        self._shared: dict[int, object] = {}  # id -> what entries share, charged once
         self.entries = entries
         self.chars = chars
 
     def get(self, key: K, default: Any = None) -> Any:
         return self._data.get(key, default)
 
-    def put(self, key: K, value: V, chars: int) -> None:
-        """Remember `value` under `key`, made from `chars` characters; not at all when
-        they are over a sixteenth of the memo's; after starting over, when a bound would
-        be passed."""
-        if chars > self.chars // ENTRY_SHARE:
+    def put(self, key: K, value: V, chars: int, shared: object = None,
+            shared_chars: int = 0) -> None:
+        """Remember `value` under `key`, made from `chars` characters, and holding
+        `shared` (an object other entries may hold too: a request's parsed options),
+        made from `shared_chars`, which is charged once however many entries hold it.
+        Not at all when they are over a sixteenth of the memo's; after starting over,
+        when a bound would be passed."""
+        if chars + shared_chars > self.chars // ENTRY_SHARE:
             return
-        if len(self._data) >= self.entries or self._chars + chars > self.chars:
+        new = shared is not None and id(shared) not in self._shared
+        owed = chars + (shared_chars if new else 0)
+        if len(self._data) >= self.entries or self._chars + owed > self.chars:
             self.clear()
+            new, owed = shared is not None, chars + shared_chars
         self._data[key] = value
-        self._chars += chars
+        self._chars += owed
+        if new:
+            self._shared[id(shared)] = shared  # kept: its id names no other object
 
     def clear(self) -> None:
         self._data.clear()
+        self._shared.clear()
         self._chars = 0
 
     def __len__(self) -> int:
@@ -74,10 +84,12 @@ def text_chars(value: object) -> int:
     return 0
 
 
-def memoized(entries: int, chars: int) -> Callable[[F], F]:
+def memoized(entries: int, chars: int,
+             extra: Callable[[Any], int] | None = None) -> Callable[[F], F]:
     """Memoise a pure function of strings (and tuples of them) in a Memo(entries,
-    chars), charged with the characters of its arguments. Exceptions are not memoised;
-    a None result is not either (it is computed again)."""
+    chars), charged with the characters of its arguments, and `extra(result)` more
+    where a short text makes a large result (a range of 256 device ids). Exceptions are
+    not memoised; a None result is not either (it is computed again)."""
 
     def wrap(fn: F) -> F:
         memo: Memo[tuple[Any, ...], Any] = Memo(entries, chars)
@@ -87,7 +99,7 @@ def memoized(entries: int, chars: int) -> Callable[[F], F]:
             found = memo.get(args)
             if found is None:
                 found = fn(*args)
-                memo.put(args, found, text_chars(args))
+                memo.put(args, found, text_chars(args) + (extra(found) if extra else 0))
             return found
 
         call.memo = memo  # type: ignore[attr-defined]

@@ -50,7 +50,16 @@ from msgspec.structs import replace
 from nri_accel.container import ContainerInfo
 from nri_accel.errors import PolicyError, cut
 from nri_accel.memo import Memo, text_chars
-from nri_accel.request import Origin, Parsed, Source, check_bounds, parse, read_by_parse
+from nri_accel.request import (
+    ID_CHARS,
+    Origin,
+    Parsed,
+    Source,
+    check_bounds,
+    claimed_ids,
+    parse,
+    read_by_parse,
+)
 from nri_accel.syntax import MAX_NAME_CHARS, DeviceClaim, claim_order
 
 if TYPE_CHECKING:
@@ -87,8 +96,10 @@ class Request(Struct, frozen=True):
     visible: frozenset[str] = frozenset()
     cdi_names: tuple[str, ...] = ()  # granted CDI requests as written ("vendor/class=name")
     notes: tuple[str, ...] = ()
-    chars: int = 0  # of the annotations and env it was read from (what memos keeping it
-    # are charged: nri_accel.memo)
+    chars: int = 0  # of the annotations and names it was read from, and its ids (what
+    # memos keeping it are charged: nri_accel.memo)
+    env: Hashable = None  # Parsed.env: shared by the requests of one env, charged once
+    env_chars: int = 0  # of the env entries read
 
     def option(self, family: str) -> Hashable:
         """The family's settings; None when the container left them at their default."""
@@ -144,13 +155,17 @@ class Policy(Struct, frozen=True):
         kept). Refusals are not remembered. A request over the bounds of
         nri_accel.request.check_bounds() is refused before any of this."""
         check_bounds(info)
-        read = (info.namespace, *read_by_parse(info))
-        key = (self, *read)
+        name, pod_keys, own_keys, env = read_by_parse(info)
+        key = (self, info.namespace, name, pod_keys, own_keys, env)
         request = _REQUESTS.get(key)
         if request is None:
-            chars = text_chars(read)
-            request = replace(self.apply(parse(info), info.namespace), chars=chars)
-            _REQUESTS.put(key, request, chars)
+            parsed = parse(info)
+            request = self.apply(parsed, info.namespace)
+            ids = ID_CHARS * claimed_ids((*request.grants, *request.limits))
+            request = replace(request, env=parsed.env, env_chars=text_chars(env),
+                              chars=text_chars((info.namespace, name, pod_keys, own_keys))
+                              + ids)
+            _REQUESTS.put(key, request, request.chars + request.env_chars)
         return request
 
     def apply(self, parsed: Parsed, namespace: str) -> Request:
@@ -219,7 +234,7 @@ REQUEST_MEMO_SIZE = 512
 """Requests remembered before the memo starts over. Its keys hold the annotations and
 env entries parse() reads (under nri-accel's prefixes, a value it does not parse for
 this container included): bounded by their characters too, REQUEST_MEMO_CHARS."""
-REQUEST_MEMO_CHARS = 256 * 1024
+REQUEST_MEMO_CHARS = 1024 * 1024  # a CUDA image's request: some 1,300
 _REQUESTS: Memo[tuple[Hashable, ...], Request] = Memo(REQUEST_MEMO_SIZE, REQUEST_MEMO_CHARS)
 
 

@@ -173,6 +173,8 @@ class Parsed(Struct, frozen=True):
     privileged: tuple[str, ...] = ()  # env asks only a granting origin may make
     options: tuple[tuple[str, Hashable], ...] = ()  # (family, options) where not default
     visible: frozenset[str] = frozenset()  # families whose visibility variable env sets
+    env: Hashable = None  # what the env alone decided: one object for one env (memoised),
+    # which the options hold parts of (memos keeping them are charged for it once)
 
 
 class _EnvPart(Struct, frozen=True):
@@ -303,6 +305,7 @@ def parse(info: ContainerInfo) -> Parsed:
         privileged=tuple(s for _, ask in env.asks for s in ask.privileged),
         options=tuple(options),
         visible=frozenset(name for name, ask in env.asks if ask.visible),
+        env=env if env.sources or env.asks else None,  # None: it decided nothing
     )
 
 
@@ -490,7 +493,22 @@ _NO_ENV = _EnvPart((), ())
 # The value parsers are pure and memoised: a pod's annotations repeat for each of its
 # containers and across the replicas of a workload. Errors are not memoised; the memos
 # are bounded by the characters of what they were given (nri_accel.memo).
-@memoized(4096, 256 * 1024)
+def claimed_ids(claims: Iterable[DeviceClaim]) -> int:
+    """The ids `claims` hold: a range of a few characters writes 256."""
+    return sum(len(c.ids) for c in claims)
+
+
+def _ids_chars(found: tuple[DeviceClaim, ...] | str) -> int:
+    """What a memo of parsed claims is charged beyond their text: ID_CHARS an id."""
+    return 0 if isinstance(found, str) else ID_CHARS * claimed_ids(found)
+
+
+ID_CHARS = 16
+"""Characters a memo is charged for each device id a value parses into (an id string
+and its place in a tuple, beyond the text that wrote it)."""
+
+
+@memoized(4096, 256 * 1024, _ids_chars)
 def _parse_devices(value: str, source: str) -> tuple[DeviceClaim, ...]:
     """The devices.nri-accel.io grammar (README.md, "Requesting devices"): entries
     separated by ';' or newlines; an entry is ``KIND=ID[,ID...]`` (a token with '='
@@ -527,7 +545,7 @@ def _parse_devices(value: str, source: str) -> tuple[DeviceClaim, ...]:
     return acc.claims()
 
 
-@memoized(4096, 256 * 1024)
+@memoized(4096, 256 * 1024, _ids_chars)
 def _parse_cdi_value(value: str, source: str) -> tuple[DeviceClaim, ...]:
     """A CDI annotation value (cdi.k8s.io/*): comma-separated fully qualified names, as
     tags.cncf.io/container-device-interface pkg/cdi/producer/annotations Parse() reads
@@ -560,7 +578,7 @@ def _injector_cdi_claims(value: str, source: str) -> tuple[DeviceClaim, ...]:
     return found
 
 
-@memoized(1024, 256 * 1024)
+@memoized(1024, 256 * 1024, _ids_chars)
 def _parse_injector_cdi(value: str, source: str) -> tuple[DeviceClaim, ...] | str:
     """_injector_cdi_claims(): the claims, or the message of the RequestError to raise
     (a fresh one each time: a raised exception keeps its traceback)."""

@@ -169,8 +169,7 @@ def _render(title: str, kubelet: Mapping[str, str], adj: Any) -> str:
     """What kubelet passed (the device plugin's Allocate annotations) and what the
     daemon answered."""
     devices = [d.path for d in adj.linux.devices]
-    env = [f"{e.key}={e.value}" for e in adj.env if not e.key.startswith("-")]
-    unset = [e.key[1:] for e in adj.env if e.key.startswith("-")]
+    env = [f"{e.key}={e.value}" for e in adj.env]
     lines = [title]
     lines.extend(f"  kubelet  {k}={v}" for k, v in sorted(kubelet.items()))
     if devices:
@@ -182,7 +181,6 @@ def _render(title: str, kubelet: Mapping[str, str], adj: Any) -> str:
         shown = ", ".join(libs[:6]) + (f", ... ({len(libs)} in all)" if len(libs) > 6 else "")
         lines.append(f"  mounts   {shown}")
     lines.extend(f"  env      {kv}" for kv in env)
-    lines.extend(f"  unset    {k}" for k in unset)
     lines.extend(f"  annot.   {k}={v}" for k, v in sorted(adj.annotations.items()))
     return "\n".join(lines) + "\n"
 

@@ -436,3 +436,4 @@ def test_gpu_on_a_node_without_nvidia_driver_files_gets_its_node_and_a_note():
     assert [n.path for n in edits.device_nodes] == ["/dev/nvidia0"]
     assert "LD_LIBRARY_PATH" not in env_of(edits)
     assert notes == ("no NVIDIA driver files on this node: only device nodes and env",)
+

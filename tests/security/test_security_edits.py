@@ -149,9 +149,11 @@ def test_refused_inventory_edits_are_logged_when_the_engine_takes_the_inventory(
     from structlog.testing import capture_logs
 
     with capture_logs() as logs:
-        engine("standalone", _inventory_with(ContainerEdits(
+        eng = engine("standalone", _inventory_with(ContainerEdits(
             device_nodes=(DeviceNode("/etc/passwd", 195, 0),))))
-    (refused,) = [e for e in logs if e["event"] == "inventory_edits_refused"]
+        for marks in ({"nvidia.com/gpu=0": "xid 79"}, {}):  # a health watch's reports
+            eng.set_health("nvidia", marks)
+    (refused,) = [e for e in logs if e["event"] == "inventory_edits_refused"]  # said once
     assert (refused["device"], refused["log_level"]) == ("nvidia.com/gpu=0", "error")
     assert "'/etc/passwd' is not under /dev" in refused["reason"]
 

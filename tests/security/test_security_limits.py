@@ -89,6 +89,45 @@ def test_memos_are_bounded_by_the_text_they_keep_not_only_their_entries() -> Non
     assert _retained(refused, 100) < 4 * MIB  # was 25 MiB
 
 
+def test_a_short_range_is_charged_for_the_ids_it_makes() -> None:
+    # "nvidia.com/gpu=0-255" is 20 characters and 256 ids: charged for its text alone,
+    # 3,900 distinct ones fit the devices memo and kept 58.8 MiB.
+    from nri_accel import request as request_module
+
+    parse_devices = request_module._parse_devices
+    parse_devices.memo.clear()
+
+    def ranges(i: int) -> None:
+        first = i % 200
+        parse_devices(f"nvidia.com/gpu={first}-{first + 255}",
+                      f"annotation devices.nri-accel.io/container.c{i // 200}")
+
+    assert _retained(ranges, 3900) < 4 * MIB
+
+
+def test_the_grants_of_one_image_share_its_requirements_in_the_memo() -> None:
+    # Every grant of a CUDA image holds the same parsed NVIDIA_REQUIRE_CUDA (a CUDA 12
+    # image's: some 1,200 characters): charged once, 254 distinct grants stay remembered
+    # (charged each, the grant memo held some 200 and started over: 19 -> 73 us a plan).
+    from itertools import combinations, product
+
+    require = "cuda>=12.4 " + " ".join(f"brand=tesla,driver>={d},driver<{d + 1}"
+                                         for d in range(470, 560, 3))
+    eng = engine("standalone")
+    n = 0
+    for caps, r in product(("compute,utility", "compute,utility,video"), range(1, 8)):
+        env = (f"NVIDIA_REQUIRE_CUDA={require}", f"NVIDIA_DRIVER_CAPABILITIES={caps}")
+        for subset in combinations(range(7), r):  # the demo's GPU 7 is in MIG mode
+            ids = ",".join(map(str, subset))
+            plan = eng.plan(container(pod={"devices.nri-accel.io/pod": f"nvidia.com/gpu={ids}"},
+                                      env=env, cid=f"c{n}", pod_name=f"p{n}"))
+            assert len(plan.devices) == len(subset)
+            n += 1
+    memo = eng._tables.catalog.memo
+    assert (n, len(memo)) == (254, 254)
+    assert memo.held_chars < 64 * 1024
+
+
 def test_variables_nri_accel_reads_are_bounded_in_total() -> None:
     many = [f"NVIDIA_REQUIRE_X{i}=" + ",".join(["cuda>=1.0"] * 300) for i in range(500)]
     with pytest.raises(RequestError, match=f"more than {MAX_ENV_READ_CHARS}") as err:

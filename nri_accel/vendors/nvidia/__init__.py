@@ -552,7 +552,7 @@ def _check_requirements(index: Any, reqs: Requirements, devices: Sequence[Device
         failure = next(((d.qualified_name, *failed) for d in devices
                         if (failed := _unsatisfied(index, reqs, _facts(index, d))) is not None),
                        None)
-        memo.put(key, failure, reqs.chars)
+        memo.put(key, failure, 0, reqs, reqs.chars)
     if failure is not None:
         name, source, why = failure
         raise RequestError(f"{name}: {why}", source=source)
@@ -576,7 +576,7 @@ def _unsatisfied(index: Any, reqs: Requirements, facts: _Facts) -> tuple[str, st
     result = memo.get(key, _UNKNOWN)
     if result is _UNKNOWN:
         result = reqs.unsatisfied(dict(facts))
-        memo.put(key, result, reqs.chars)
+        memo.put(key, result, 0, reqs, reqs.chars)
     return result  # type: ignore[no-any-return]
 
 
