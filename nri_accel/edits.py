@@ -243,7 +243,6 @@ class Catalog(Struct, frozen=True, eq=False):
     edits: Memo[tuple[Any, ...], ContainerEdits] = field(
         default_factory=lambda: Memo(EDITS_MEMO_SIZE, EDITS_MEMO_CHARS))
 
-
     def refused(self) -> tuple[tuple[str, str], ...]:
         """(whose edits, why) of every device and driver capability whose edits the
         safety checks refuse: a container granted one of them fails, naming it."""

@@ -493,6 +493,11 @@ _NO_ENV = _EnvPart((), ())
 # The value parsers are pure and memoised: a pod's annotations repeat for each of its
 # containers and across the replicas of a workload. Errors are not memoised; the memos
 # are bounded by the characters of what they were given (nri_accel.memo).
+ID_CHARS = 16
+"""Characters a memo is charged for each device id a value parses into (an id string
+and its place in a tuple, beyond the text that wrote it)."""
+
+
 def claimed_ids(claims: Iterable[DeviceClaim]) -> int:
     """The ids `claims` hold: a range of a few characters writes 256."""
     return sum(len(c.ids) for c in claims)
@@ -502,10 +507,6 @@ def _ids_chars(found: tuple[DeviceClaim, ...] | str) -> int:
     """What a memo of parsed claims is charged beyond their text: ID_CHARS an id."""
     return 0 if isinstance(found, str) else ID_CHARS * claimed_ids(found)
 
-
-ID_CHARS = 16
-"""Characters a memo is charged for each device id a value parses into (an id string
-and its place in a tuple, beyond the text that wrote it)."""
 
 
 @memoized(4096, 256 * 1024, _ids_chars)
