@@ -31,7 +31,9 @@ from nri_accel.config import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_SOCKET,
     DEFAULT_STATE_DIR,
+    NOT_ABSOLUTE,
     UNIX_PATH_MAX,
+    absolute_without_dotdot,
     unix_socket_path_problem,
 )
 from nri_accel.demo import DEFAULT_NODE, NODES
@@ -86,8 +88,8 @@ def _state_dir(text: str) -> str:
     """--state-dir: as state_dir, absolute without '..' (`run` and `device-plugin` must
     name the same directory whatever their working directories)."""
     _path(text)
-    if not text.startswith("/") or ".." in text.split("/"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be an absolute path without '..'")
+    if not absolute_without_dotdot(text):
+        raise argparse.ArgumentTypeError(f"{text!r} {NOT_ABSOLUTE}")
     return text
 
 

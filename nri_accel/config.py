@@ -107,6 +107,16 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
+NOT_ABSOLUTE = "must be an absolute path without '..'"
+
+
+def absolute_without_dotdot(path: str) -> bool:
+    """Whether `path` names one place whatever the working directory and its links
+    upward: absolute, no '..' component (state_dir, hook_path, static device nodes,
+    --state-dir; else NOT_ABSOLUTE)."""
+    return path.startswith("/") and ".." not in path.split("/")
+
+
 def unix_socket_path_problem(path: str) -> str | None:
     """Why `path` cannot be the address of a unix socket (None if it can): empty, a NUL
     byte, or longer than UNIX_PATH_MAX bytes (connect() and bind() would fail with
@@ -269,8 +279,8 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
               "device_plugin", "state_dir"}
     r.no_unknown(data, tables, "")
     state_dir = r.get(data, "state_dir", str, DEFAULT_STATE_DIR)
-    if not state_dir.startswith("/") or ".." in state_dir.split("/"):
-        raise ConfigError("must be an absolute path without '..'", source=r.src("state_dir"))
+    if not absolute_without_dotdot(state_dir):
+        raise ConfigError(NOT_ABSOLUTE, source=r.src("state_dir"))
 
     pol = r.table("policy", {"mode", "trusted_namespaces"})
     mode = r.get(pol, "policy.mode", str, "kubernetes")
@@ -305,9 +315,8 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
             raise ConfigError(f"{kind!r} is not a device kind (vendor/class)",
                               source=r.src("devices.shared_kinds"))
     hook_path = r.get(dev, "devices.hook_path", str, "")
-    if hook_path and not (hook_path.startswith("/") and ".." not in hook_path.split("/")):
-        raise ConfigError("must be an absolute path without '..'",
-                          source=r.src("devices.hook_path"))
+    if hook_path and not absolute_without_dotdot(hook_path):
+        raise ConfigError(NOT_ABSOLUTE, source=r.src("devices.hook_path"))
 
     disc = r.table("discovery", {"cdi_spec_dirs", "driver_root", "refresh_interval",
                                  "create_device_nodes"})
@@ -365,9 +374,8 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
         for n in nodes:
             # Syntax only; where a node may be (under /dev) is nri_accel.edits' rule,
             # applied when the device is discovered (a Problem) and again when granted.
-            if not n.startswith("/") or ".." in n.split("/"):
-                raise ConfigError(f"{n!r} must be an absolute path without '..'",
-                                  source=r.src(f"{where}.device_nodes"))
+            if not absolute_without_dotdot(n):
+                raise ConfigError(f"{n!r} {NOT_ABSOLUTE}", source=r.src(f"{where}.device_nodes"))
         env = r.str_list(d, f"{where}.env", [])
         for kv in env:
             if "=" not in kv or not kv.partition("=")[0]:

@@ -590,7 +590,7 @@ def _parse_injector_cdi(value: str, source: str) -> tuple[DeviceClaim, ...] | st
 
 
 def _read_injector_cdi(value: str, source: str) -> tuple[DeviceClaim, ...]:
-    check_text(value, source, newlines=True)
+    """The claims of a value _injector_cdi_claims() has checked (check_text)."""
     if not value.strip():
         return ()
     if value.count("[") + value.count("{") > _MAX_YAML_COLLECTIONS:
