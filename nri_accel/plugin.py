@@ -17,8 +17,9 @@ nri_accel.nri (stub, adjust, convert).
 
 Most containers on a node ask for nothing: a CreateContainer whose pod and container
 carry no annotation key and no env entry the request parser reads, and whose creation
-replaces no grant, is answered empty at once: its request decoded only at a glance
-(convert.glance_decoder), no ContainerInfo, no parse, logged at debug only; every other
+replaces no grant, is answered empty at once by the decoder the stub runs on its bytes
+(convert.glance_decoder): decoded only at a glance, no ContainerInfo, no parse, no
+call of create_container, logged at debug only (_asked_nothing); every other
 one gets the canonical info line, devices or not.
 
 Logs go to stderr, or to --log-file. A plugin the runtime launches itself
@@ -102,18 +103,19 @@ class AccelPlugin:
     def __init__(self, engine: Engine,
                  on_change: Callable[[], Awaitable[bool] | None] | None = None) -> None:
         # The stub decodes what convert reads, a CreateContainer first at a glance:
-        # for a container that asks for nothing, that glance is all there is to read.
-        # It asks when one of its pod's or its own annotation keys, or an entry of its
-        # env, is one the request parser reads (else Engine.plan would answer an
-        # empty adjustment; an env that sets a visibility variable is read, and
-        # rewritten).
-        self.request_decoders = {**convert.REQUEST_DECODERS, "CreateContainer":
-                                 convert.glance_decoder(ANNOTATION_PREFIXES, ENV_PREFIXES,
-                                                        ENV_SCOPE)}
+        # a container that asks for nothing is answered so (_asked_nothing), that
+        # glance all there is to read. It asks when one of its pod's or its own
+        # annotation keys, or an entry of its env, is one the request parser reads
+        # (else Engine.plan would answer an empty adjustment; an env that sets a
+        # visibility variable is read, and rewritten).
         self.engine = engine
         self._on_change = on_change or (lambda: None)
         self.requests = RequestRecorder.for_events(RUN_EVENTS)
         self._created = self.requests["create_container"]
+        self.request_decoders = {**convert.REQUEST_DECODERS, "CreateContainer":
+                                 convert.glance_decoder(ANNOTATION_PREFIXES, ENV_PREFIXES,
+                                                        ENV_SCOPE, engine.holds,
+                                                        self._asked_nothing)}
         self._synchronized = False  # a runtime that synchronises this plugin once does again
 
     def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
@@ -163,22 +165,20 @@ class AccelPlugin:
 
     def create_container(self, pod: Any, container: Any) -> Any:
         started = time.perf_counter_ns()
-        if convert.is_glance(container) and not self.engine.holds(
-                container.id, pod.id or pod.uid, convert.container_name(container)):
-            # Most containers on a node ask for nothing: seen so at a glance (see
-            # request_decoders), and replacing no grant (which plan() and commit()
-            # would release), they are answered at once, empty (the stub sends b""),
-            # without a ContainerInfo, a parse or an info line (about a tenth of what
-            # the full path costs; bench_roundtrip.py).
-            self._created.record_quick(time.perf_counter_ns() - started)
-            if log.is_enabled_for(DEBUG):
-                log.debug("container_created", container_id=container.id, devices=[],
-                          asked="nothing")
-            return None
         if convert.is_large(container):
             return self._create_large(pod, container, started)
         return self._create(convert.read_container_info(
             pod, container, ENV_SCOPE, ANNOTATION_PREFIXES, CONTAINER_KEYS), started)
+
+    def _asked_nothing(self, container_id: str, nanoseconds: int) -> None:
+        """A container that asks for nothing, and whose creation replaces no grant (which
+        plan() and commit() would release), answered empty by the stub's decoder at a
+        glance (request_decoders): counted and timed, without a ContainerInfo, a parse
+        or an info line (about a tenth of what the full path costs; bench_roundtrip.py)."""
+        self._created.record_quick(nanoseconds)
+        if log.is_enabled_for(DEBUG):
+            log.debug("container_created", container_id=container_id, devices=[],
+                      asked="nothing")
 
     async def _create_large(self, pod: Any, container: Any, started: int) -> Any:
         """A request over convert.LARGE_REQUEST bytes, its pod and container undecoded

@@ -49,7 +49,10 @@ it leaves out are skipped undecoded: most of a container, 40 % of a typical crea
 decoding time and three quarters of a Synchronize's), or an object with the same
 attributes (nri.convert's large CreateContainer: its pod and container undecoded, for
 the handler to decode a run of fields at a time). nri.convert.REQUEST_DECODERS are
-such functions.
+such functions. A CreateContainer decoder may also answer a request itself: where it
+returns bytes, they are the CreateContainerResponse, sent as they are, and
+create_container() is not called (nri.convert.glance_decoder() answers so a container
+that asks for nothing, the most of a node's).
 
 The event mask sent in ConfigureResponse has a bit for each event handler the plugin
 defines; `state_change` stands in for the pure notifications (pod run/stop/remove/
@@ -605,6 +608,8 @@ class Stub:
             req = self._create_decode(payload)
         except DecodeError as exc:
             raise malformed("CreateContainerRequest", exc) from exc
+        if req.__class__ is bytes:  # the decoder answered it (see the module docstring)
+            return req
         return _call(handler, "CreateContainer", (req.pod, req.container), _created)
 
     def _update_container(self, ctx: CallContext, payload: bytes) -> Answer:

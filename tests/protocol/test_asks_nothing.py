@@ -64,8 +64,10 @@ def create(accel: AccelPlugin, *, namespace: str = "sandbox", name: str = "main"
                     "annotations": pod_annotations or UNRELATED_POD})
     ctr = make_container(pod, {"name": name, "env": env if env is not None else UNRELATED_ENV,
                                "annotations": annotations or {}, "id": cid})
-    req = served(accel, pod, ctr)
     with capture_logs() as logs:
+        req = served(accel, pod, ctr)
+        if asked_nothing(req):  # answered by the decoder: create_container is not called
+            return None, logs
         encoded = accel.create_container(req.pod, req.container)  # the adjustment, or None
         if inspect.iscoroutine(encoded):  # a large env: searched in parts, the loop free
             encoded = asyncio.run(encoded)
@@ -74,9 +76,15 @@ def create(accel: AccelPlugin, *, namespace: str = "sandbox", name: str = "main"
 
 def served(accel: AccelPlugin, pod: Any, ctr: Any) -> Any:
     """The request as the daemon's stub hands it to `accel`: encoded, then decoded as
-    the plugin asks (at a glance, or as the full or the large view)."""
+    the plugin asks (answered at a glance, or as the full or the large view)."""
     payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
     return accel.request_decoders["CreateContainer"](payload)
+
+
+def asked_nothing(req: Any) -> bool:
+    """Whether the plugin's decoder answered the request itself (the stub then sends
+    its bytes): the container asks for nothing and replaces no grant."""
+    return isinstance(req, bytes)
 
 
 def infos(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -323,6 +331,20 @@ def test_a_new_create_of_the_same_pod_and_name_asking_nothing_still_ends_the_old
     assert [e["event"] for e in infos(logs)] == ["grant_replaced", "container_created"]
 
 
+def test_a_cri_o_container_asking_nothing_still_ends_the_old_grant_of_its_name() -> None:
+    # CRI-O without kubelet's labels: no NRI name; at a glance, the name the grant is
+    # recorded under is read from CRI-O's metadata, as the full path reads it
+    accel = plugin()
+    metadata = {convert.CRIO_METADATA: '{"name":"main","attempt":0}'}
+    granted, _ = create(accel, name="", cid="first", annotations={
+        **metadata, "devices.nri-accel.io": "nvidia.com/gpu=0"})
+    assert granted.linux.devices
+    again, logs = create(accel, name="", cid="second", annotations=metadata)
+    assert again is not None and not again.linux.devices
+    assert accel.engine.holdings.get("first") is None
+    assert [e["event"] for e in infos(logs)] == ["grant_replaced", "container_created"]
+
+
 def test_a_large_env_keeps_the_container_ld_library_path_when_it_is_extended() -> None:
     env = [*(f"V{i}=x" for i in range(BIG)), "LD_LIBRARY_PATH=/opt/own"]
     result, _ = create(plugin(), env=env,
@@ -383,7 +405,7 @@ def test_what_the_fast_path_answers_empty_the_parser_would_have_asked_nothing_of
     rng = random.Random(10)
     engine = Engine(demo_inventory(), Config(policy=PolicyConfig("standalone")))
     accel = AccelPlugin(engine)
-    asked_nothing = 0
+    empty = 0
     for i in range(3000):
         pod = {rng.choice(KEYS): rng.choice(VALUES) for _ in range(rng.randrange(3))}
         ctr = {rng.choice(KEYS): rng.choice(VALUES) for _ in range(rng.randrange(3))}
@@ -393,17 +415,17 @@ def test_what_the_fast_path_answers_empty_the_parser_would_have_asked_nothing_of
         message = make_pod({"name": "p", "annotations": pod})
         req = served(accel, message, make_container(message, {
             "name": "main", "annotations": ctr, "env": list(env)}))
-        assert convert.is_glance(req.container) is not mentioned, (pod, ctr, env)
+        assert asked_nothing(req) is not mentioned, (pod, ctr, env)
         if mentioned:
             continue
-        asked_nothing += 1
+        empty += 1
         info = ContainerInfo("ns", "p", "uid", "main", f"c{i}", MappingProxyType(pod),
                              MappingProxyType(ctr), env)
         assert parse(info) == Parsed(())
         plan = engine.plan(info)
         assert not (plan.devices or plan.edits.env or plan.edits.device_nodes
                     or plan.edits.mounts or plan.annotations)
-    assert asked_nothing > 100
+    assert empty > 100
 
 
 @pytest.mark.parametrize("strings, expected", [
@@ -448,8 +470,9 @@ def test_each_step_of_the_glance_test_passes_a_near_miss_and_stops_at_a_key_it_r
             "annotations": {"io.kubernetes.cri.container-type": "container",
                             **(annotations if where == "container" else {})}})
         req = served(accel, pod, ctr)
-        assert convert.is_glance(req.container) is not asks, text
-        assert req.container.id == ctr.id and req.pod.id == pod.id
+        assert asked_nothing(req) is not asks, text
+        assert req == convert.ASKED_NOTHING if not asks else (
+            req.container.id == ctr.id and req.pod.id == pod.id)
 
 
 def test_a_container_is_read_as_the_large_view_reads_it_keeping_the_keys_the_engine_reads(

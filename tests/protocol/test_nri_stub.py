@@ -256,6 +256,43 @@ async def test_registers_configures_and_answers_create_container(sock_path: str)
         assert plugin.released == ["train"]
 
 
+class AnswersAtAGlance(Injector):
+    """A plugin whose CreateContainer decoder answers a container named "quick" itself
+    (as nri.convert.glance_decoder answers one that asks for nothing): the bytes it
+    returns are the response, and create_container is not called for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: list[str] = []
+        self.request_decoders = {"CreateContainer": self._decode}
+
+    @staticmethod
+    def _decode(payload: bytes) -> Any:
+        req = pb.CreateContainerRequest.FromString(payload)
+        if req.container.name != "quick":
+            return req
+        rsp = pb.CreateContainerResponse(adjust=pb.ContainerAdjustment(
+            annotations={"answered": "at a glance"}))
+        return rsp.SerializeToString()
+
+    def create_container(self, pod: Any, container: Any) -> Any:
+        self.created.append(container.name)
+        return super().create_container(pod, container)
+
+
+async def test_a_create_container_decoder_may_answer_the_request_itself(
+        sock_path: str) -> None:
+    plugin = AnswersAtAGlance()
+    async with serving(plugin, sock_path) as (sim, _):
+        await sim.wait_for_plugin("injector")
+        quick = await sim.create_container(POD, make_container(POD, {"name": "quick"}))
+        assert dict(quick.adjust.annotations) == {"answered": "at a glance"}
+        assert not quick.adjust.linux.devices
+        rsp = await sim.create_container(POD, CTR)
+        assert [d.path for d in rsp.adjust.linux.devices] == ["/dev/accel0"]
+    assert plugin.created == ["train"]
+
+
 async def test_configure_may_arrive_before_the_register_answer(sock_path: str) -> None:
     async with serving(Injector(), sock_path, configure_first=True) as (sim, stub):
         await sim.wait_for_plugin()

@@ -255,15 +255,18 @@ def test_the_daemon_reads_creates_and_synchronize_through_the_views() -> None:
     decoders = AccelPlugin(Engine(demo_inventory(), Config())).request_decoders
     assert {m: d for m, d in decoders.items() if m != "CreateContainer"} == {
         m: d for m, d in convert.REQUEST_DECODERS.items() if m != "CreateContainer"}
-    # a CreateContainer at a glance, and in the full view only when it asks
+    # a CreateContainer at a glance, answered so when it asks nothing, and in the full
+    # view only when it asks
     pod = make_pod({"name": "p", "annotations": {"prometheus.io/scrape": "true"}})
-    for env, view in ((["PATH=/bin"], "GlanceContainer"),
-                      (["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=0"], "Container")):
-        ctr = make_container(pod, {"name": "c", "env": env})
-        payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
-        req = decoders["CreateContainer"](payload)
-        assert req.container.DESCRIPTOR.full_name == f"nri_accel.views.v1.{view}"
-        assert list(req.container.env) == env
+    ctr = make_container(pod, {"name": "c", "env": ["PATH=/bin"]})
+    payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+    assert decoders["CreateContainer"](payload) == convert.ASKED_NOTHING
+    env = ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=0"]
+    ctr = make_container(pod, {"name": "c", "env": env})
+    payload = pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString()
+    req = decoders["CreateContainer"](payload)
+    assert req.container.DESCRIPTOR.full_name == "nri_accel.views.v1.Container"
+    assert list(req.container.env) == env
 
 
 def test_the_requests_that_end_a_container_or_a_pod_are_read_for_their_ids() -> None:
@@ -312,7 +315,7 @@ def test_a_large_end_of_a_container_releases_its_grant(method: str) -> None:
     pod = make_pod({"name": "p", "namespace": "ml", "annotations": {
         "devices.nri-accel.io/container.c": "nvidia.com/gpu=0"}})
     ctr = make_container(pod, {"name": "c", "id": "c-1"})
-    assert plugin.create_container(*_glance_or_view(plugin, pod, ctr))  # the GPU granted
+    assert plugin.create_container(*_view(plugin, pod, ctr))  # the GPU granted
     assert plugin.engine.holds("c-1", "", "")
     ended = pb.Container(id="decoy", env=["A"] * 100_000)
     data = ended.SerializeToString() + pb.Container(id="c-1").SerializeToString()
@@ -325,7 +328,7 @@ def test_a_large_end_of_a_container_releases_its_grant(method: str) -> None:
     assert not plugin.engine.holds("c-1", "", "")
 
 
-def _glance_or_view(plugin: AccelPlugin, pod: Any, ctr: Any) -> tuple[Any, Any]:
+def _view(plugin: AccelPlugin, pod: Any, ctr: Any) -> tuple[Any, Any]:
     req = plugin.request_decoders["CreateContainer"](
         pb.CreateContainerRequest(pod=pod, container=ctr).SerializeToString())
     return req.pod, req.container
