@@ -174,6 +174,49 @@ def test_a100_other_capabilities(a100: Found) -> None:
     assert nodes(drv, "mig-monitor") == [("/dev/nvidia-caps/nvidia-cap2", 236, 2)]
 
 
+def test_graphics_brings_the_files_that_make_egl_and_vulkan_find_the_driver(a100: Found,
+                                                                          ) -> None:
+    # Ubuntu's packages put them under /usr/share: glvnd's and EGL's files are mounted
+    # where they are, Vulkan's under /etc; the Wayland platform is not installed
+    graphics = mounts(driver(a100), "graphics")
+    share = "/usr/share"
+    assert {k: v for k, v in graphics.items() if not k.startswith(LIB)} == {
+        f"{share}/glvnd/egl_vendor.d/10_nvidia.json":
+            f"{share}/glvnd/egl_vendor.d/10_nvidia.json",
+        f"{share}/egl/egl_external_platform.d/15_nvidia_gbm.json":
+            f"{share}/egl/egl_external_platform.d/15_nvidia_gbm.json",
+        f"{share}/nvidia/nvoptix.bin": f"{share}/nvidia/nvoptix.bin",
+        "/etc/vulkan/icd.d/nvidia_icd.json": f"{share}/vulkan/icd.d/nvidia_icd.json",
+        "/etc/vulkan/implicit_layer.d/nvidia_layers.json":
+            f"{share}/vulkan/implicit_layer.d/nvidia_layers.json",
+    }
+    # the GBM platform's own library, versioned apart from the driver, by its soname
+    assert graphics[f"{LIB}/libnvidia-egl-gbm.so.1"] == f"{X86}/libnvidia-egl-gbm.so.1.1.1"
+    assert mounts(driver(a100), "display") == graphics
+    assert not any("vulkan" in k or "glvnd" in k for k in mounts(driver(a100), "compute"))
+
+
+def test_a_graphics_file_is_taken_from_etc_first_and_only_as_a_regular_file(
+        fake_root: FakeRoot) -> None:
+    # the toolkit's order (the driver's /etc, then /usr/share); a directory in its
+    # place is not a file, and the next place is looked at
+    root = fake_root("a100-mig")
+    vendor = Path(root.local("/etc/glvnd/egl_vendor.d/10_nvidia.json"))
+    vendor.parent.mkdir(parents=True)
+    vendor.write_text('{"file_format_version": "1.0.0"}')
+    Path(root.local("/etc/vulkan/icd.d/nvidia_icd.json")).mkdir(parents=True)
+    arch_icd = Path(root.local("/etc/vulkan/icd.d/nvidia_icd.x86_64.json"))
+    arch_icd.write_text("{}")  # as an RPM driver names it
+    graphics = mounts(driver(discover_nvidia(root)), "graphics")
+    assert graphics["/etc/glvnd/egl_vendor.d/10_nvidia.json"] == \
+        "/etc/glvnd/egl_vendor.d/10_nvidia.json"
+    assert "/usr/share/glvnd/egl_vendor.d/10_nvidia.json" not in graphics
+    assert graphics["/etc/vulkan/icd.d/nvidia_icd.json"] == \
+        "/usr/share/vulkan/icd.d/nvidia_icd.json"
+    assert graphics["/etc/vulkan/icd.d/nvidia_icd.x86_64.json"] == \
+        "/etc/vulkan/icd.d/nvidia_icd.x86_64.json"
+
+
 def test_mounts_are_read_only_sorted_and_exist_inside_the_root(fake_root: FakeRoot) -> None:
     root = fake_root("a100-mig")
     drv = driver(discover_nvidia(root))

@@ -36,8 +36,12 @@ What it finds:
     compute     CUDA libraries, the MPS binaries, /dev/nvidia-uvm, /dev/nvidia-uvm-tools,
                 the MPS pipe directory
     video       video libraries plus what compute brings except its binaries
-    graphics    OpenGL/EGL/Vulkan libraries
-    display     the graphics libraries and /dev/nvidia-modeset
+    graphics    OpenGL/EGL/Vulkan libraries (and the EGL external platforms' own), and
+                the configuration files that make them found: glvnd's EGL vendor
+                file, the EGL external platforms,
+                OptiX's nvoptix.bin, Vulkan's ICD and layer files (the toolkit's
+                graphics modifier; CONFIG_DIRS below)
+    display     what graphics brings and /dev/nvidia-modeset
     ngx         libnvidia-ngx
     compat32/<capability>  (x86_64 nodes) the 32-bit builds of the libraries
                 <capability> selects (compat32/video: video and compute libraries,
@@ -153,6 +157,29 @@ GRAPHICS_LIBS = (
     "libGL.so", "libEGL.so", "libGLESv1_CM.so", "libGLESv2.so",
 )
 NGX_LIBS = ("libnvidia-ngx.so",)
+# The graphics stack's configuration files, as nvidia-container-toolkit's graphics
+# modifier mounts them for graphics and display (internal/discover/graphics.go): each
+# looked up in the driver root's /etc, then /usr/share (the first found). Without
+# glvnd's vendor file a GLVND libEGL finds no NVIDIA EGL (headless EGL: its device
+# platform), without the ICD file the Vulkan loader finds no NVIDIA Vulkan, unless the
+# image ships them. GRAPHICS_CONFIGS are mounted where they were found; the Vulkan
+# ICD and layer files under /etc, where the Vulkan loader looks first (an RPM driver
+# names its ICD file after the architecture).
+CONFIG_DIRS = ("/etc", "/usr/share")
+GRAPHICS_CONFIGS = (
+    "glvnd/egl_vendor.d/10_nvidia.json",
+    "egl/egl_external_platform.d/15_nvidia_gbm.json",
+    "egl/egl_external_platform.d/10_nvidia_wayland.json",
+    "nvidia/nvoptix.bin",  # OptiX's built-in denoiser weights
+)
+VULKAN_CONFIGS = ("vulkan/icd.d/nvidia_icd.json", "vulkan/icd.d/nvidia_layers.json",
+                  "vulkan/implicit_layer.d/nvidia_layers.json")
+VULKAN_ARCH_ICD = {"x86_64": "vulkan/icd.d/nvidia_icd.x86_64.json",
+                   "aarch64": "vulkan/icd.d/nvidia_icd.aarch64.json"}
+VULKAN_DIR = "/etc"
+# The EGL external platforms' own libraries (their files above load them), versioned
+# apart from the driver (egl-gbm, egl-wayland 1.x): the files their sonames name.
+EGL_PLATFORM_SONAMES = ("libnvidia-egl-gbm.so.1", "libnvidia-egl-wayland.so.1")
 # The libraries each capability selects (nvc_info.c match_library_flags through the
 # nvc.c container options: video is OPT_VIDEO_LIBS|OPT_COMPUTE_LIBS, display
 # OPT_DISPLAY|OPT_GRAPHICS_LIBS), whose 32-bit builds compat32 adds.
@@ -648,6 +675,20 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
             out.append(Mount(locator.host_path(leaf), leaf, options=IPC_OPTIONS))
         return out
 
+    def configs(names: Iterable[str], mounted_under: str | None = None) -> list[Mount]:
+        # The first regular file of each name in CONFIG_DIRS (a link inside the root
+        # followed, as the firmware's), mounted under the directory it was found in
+        # unless `mounted_under` says another
+        out = []
+        for name in names:
+            for where in CONFIG_DIRS:
+                path = locator.regular_file(f"{where}/{name}")
+                if path is not None:
+                    out.append(Mount(locator.host_path(path),
+                                     f"{mounted_under or where}/{name}"))
+                    break
+        return out
+
     def run_paths(name: str) -> tuple[str, ...]:
         return tuple(f"{d}/{name}" for d in RUN_DIRS)
 
@@ -660,7 +701,12 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         scan.problems.append(Problem(VENDOR, (
             f"libcuda.so.{version} not found under driver root {locator.root.driver_root}: "
             "the compute capability cannot run CUDA")))
-    graphics_libs = libs(GRAPHICS_LIBS, locator.arch, LIB_DIR)
+    vulkan = (*VULKAN_CONFIGS, *filter(None, [VULKAN_ARCH_ICD.get(locator.arch.name)]))
+    platforms = [Mount(locator.host_path(path), f"{LIB_DIR}/{soname}")
+                 for soname in EGL_PLATFORM_SONAMES
+                 if (path := locator.find_soname(soname)) is not None]
+    graphics = (*libs(GRAPHICS_LIBS, locator.arch, LIB_DIR), *platforms,
+                *configs(GRAPHICS_CONFIGS), *configs(vulkan, VULKAN_DIR))
     uvm = nodes(
         scan.node("nvidia-uvm", what="/dev/nvidia-uvm (compute)"),
         scan.node("nvidia-uvm-tools", what="/dev/nvidia-uvm-tools (compute)", required=False),
@@ -682,8 +728,8 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         "compute": compute_core.merged(ContainerEdits(mounts=tuple(bins(COMPUTE_BINS)))),
         "video": ContainerEdits(mounts=tuple(libs(VIDEO_LIBS, locator.arch,
                                                   LIB_DIR))).merged(compute_core),
-        "graphics": ContainerEdits(mounts=tuple(graphics_libs)),
-        "display": ContainerEdits(device_nodes=nodes(modeset), mounts=tuple(graphics_libs)),
+        "graphics": ContainerEdits(mounts=graphics),
+        "display": ContainerEdits(device_nodes=nodes(modeset), mounts=graphics),
         "ngx": ContainerEdits(mounts=tuple(libs(NGX_LIBS, locator.arch, LIB_DIR))),
     }
     compat = COMPAT32.get(locator.arch.name)
