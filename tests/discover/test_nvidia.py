@@ -11,8 +11,12 @@ from pathlib import Path
 import pytest
 from fakes.roots import ROOTS_DIR
 
+from nri_accel.config import Config, PolicyConfig
+from nri_accel.container import ContainerInfo
+from nri_accel.discover import assemble
 from nri_accel.discover.base import Found
 from nri_accel.discover.hostroot import HostRoot
+from nri_accel.engine import Engine
 from nri_accel.inventory import Device, Driver, Inventory
 from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG
 from nri_accel.vendors.nvidia.discover import discover_nvidia, normalise_pci_bus_id
@@ -215,6 +219,50 @@ def test_a_graphics_file_is_taken_from_etc_first_and_only_as_a_regular_file(
         "/usr/share/vulkan/icd.d/nvidia_icd.json"
     assert graphics["/etc/vulkan/icd.d/nvidia_icd.x86_64.json"] == \
         "/etc/vulkan/icd.d/nvidia_icd.x86_64.json"
+
+
+def test_each_gpu_has_its_drm_nodes_by_its_pci_bus_id(a100: Found) -> None:
+    # nvidia-drm's nodes as its sysfs drm directory names them; the BMC's card0 is no
+    # GPU's and goes to nobody
+    drv = driver(a100)
+    drm = {cap: nodes(drv, cap) for cap in drv.capabilities if cap.startswith("drm/")}
+    buses = ["07", "0f", "47", "4e", "87", "90", "b7", "bd"]
+    assert drm == {f"drm/0000:{b}:00.0": [(f"/dev/dri/card{i + 1}", 226, i + 1),
+                                           (f"/dev/dri/renderD{128 + i}", 226, 128 + i)]
+                   for i, b in enumerate(buses)}
+    assert [g.pci_bus_id for g in by_name(a100, KIND_GPU).values()] == [
+        f"0000:{b}:00.0" for b in buses]
+
+
+def test_a_drm_node_that_is_not_the_one_sysfs_names_is_left_out(fake_root: FakeRoot) -> None:
+    # a stale node (renderD128 made again as another minor) is not GPU 0's render node
+    root = fake_root("a100-mig")
+    stale = root.local("/dev/dri/renderD128")
+    os.unlink(stale)
+    os.mknod(stale, stat.S_IFCHR | 0o666, os.makedev(226, 5))
+    found = discover_nvidia(root)
+    assert nodes(driver(found), "drm/0000:07:00.0") == [("/dev/dri/card1", 226, 1)]
+    assert "/dev/dri/renderD128: is device 226:5, expected 226:128: GPU 0's DRM node " \
+        "(graphics, display) is left out" in messages(found)
+
+
+@pytest.mark.parametrize(("capabilities", "expected"), [
+    # GPU 3 (/dev/nvidia2) at 0000:4e:00.0: its nodes by its bus id, not index or minor
+    ("graphics", ["/dev/dri/card4", "/dev/dri/renderD131"]),
+    ("display,compute", ["/dev/dri/card4", "/dev/dri/renderD131"]),
+    ("compute,utility", []),
+])
+def test_graphics_and_display_give_the_granted_gpus_drm_nodes(
+        a100: Found, capabilities: str, expected: list[str]) -> None:
+    inventory = assemble([("nvidia", True, a100)])
+    engine = Engine(inventory, Config(policy=PolicyConfig(mode="standalone")))
+    plan = engine.plan(ContainerInfo(
+        namespace="ns", pod_name="p", pod_uid="u", container_name="c", container_id="c1",
+        pod_annotations={}, container_annotations={},
+        env=("NVIDIA_VISIBLE_DEVICES=3", f"NVIDIA_DRIVER_CAPABILITIES={capabilities}")))
+    assert [d.name for d in plan.devices] == ["3"]
+    assert [n.path for n in plan.edits.device_nodes if n.path.startswith("/dev/dri/")] \
+        == expected
 
 
 def test_mounts_are_read_only_sorted_and_exist_inside_the_root(fake_root: FakeRoot) -> None:

@@ -125,6 +125,11 @@ COMPAT32 = "compat32"
 # The Driver capability holding the 32-bit builds of one capability's libraries:
 # "compat32/compute" (discovery writes one per capability on nodes with a 32-bit ABI).
 COMPAT32_PREFIX = COMPAT32 + "/"
+# The Driver capability holding one GPU's DRM nodes (/dev/dri/card<N>, renderD<N>):
+# "drm/0000:07:00.0", by its PCI bus id; given beside graphics or display to a container
+# granted that GPU, as the toolkit's graphics modifier gives them (a MIG device has none).
+DRM_PREFIX = "drm/"
+GRAPHICS_CAPABILITIES = frozenset({"graphics", "display"})
 MIG_CONFIG = "mig-config"  # Driver capabilities that are not driver capabilities of a
 MIG_MONITOR = "mig-monitor"  # request: the MIG management nodes
 NOT_CAPABILITIES = frozenset({BASE, MIG_CONFIG, MIG_MONITOR})
@@ -296,6 +301,10 @@ class NvidiaProfile(Profile):
             for cap in given:
                 if cap != COMPAT32:
                     add(cap)
+            if GRAPHICS_CAPABILITIES.intersection(given):
+                for d in devices:
+                    if d.kind == KIND_GPU and DRM_PREFIX + d.pci_bus_id in have:
+                        add(DRM_PREFIX + d.pci_bus_id)
             # 64-bit before 32-bit, so that LD_LIBRARY_PATH lists lib64 first
             if COMPAT32 in given:
                 for cap in others:

@@ -38,15 +38,16 @@ What it finds:
     video       video libraries plus what compute brings except its binaries
     graphics    OpenGL/EGL/Vulkan libraries (and the EGL external platforms' own), and
                 the configuration files that make them found: glvnd's EGL vendor
-                file, the EGL external platforms,
-                OptiX's nvoptix.bin, Vulkan's ICD and layer files (the toolkit's
-                graphics modifier; CONFIG_DIRS below)
+                file, the EGL external platforms, OptiX's nvoptix.bin, Vulkan's ICD
+                and layer files (the toolkit's graphics modifier; CONFIG_DIRS below)
     display     what graphics brings and /dev/nvidia-modeset
     ngx         libnvidia-ngx
     compat32/<capability>  (x86_64 nodes) the 32-bit builds of the libraries
                 <capability> selects (compat32/video: video and compute libraries,
                 compat32/display: the graphics ones); compat32 adds those of the other
                 capabilities requested, and nothing alone
+    drm/<PCI bus id>  one GPU's DRM nodes, /dev/dri/card<N> and renderD<N> (_drm_nodes),
+                which the NVIDIA profile adds to graphics and display for that GPU
     mig-config  /dev/nvidia-caps/nvidia-cap<N> of capabilities/mig/config
     mig-monitor /dev/nvidia-caps/nvidia-cap<N> of capabilities/mig/monitor
   Libraries are only the exact `<name>.so.<driver version>` files; each is mounted
@@ -119,7 +120,7 @@ from nri_accel.inventory import (
     parse_pci_bus_id,
 )
 from nri_accel.log import get_logger
-from nri_accel.vendors.nvidia import COMPAT32_PREFIX, KIND_GPU, KIND_MIG, VENDOR
+from nri_accel.vendors.nvidia import COMPAT32_PREFIX, DRM_PREFIX, KIND_GPU, KIND_MIG, VENDOR
 
 log = get_logger(__name__)
 
@@ -295,7 +296,8 @@ def discover_nvidia(root: HostRoot, *, create_device_nodes: bool = False) -> Fou
         vendor=VENDOR,
         version=snap.driver_version,
         cuda_version=_cuda_version(snap.cuda_version),
-        capabilities=MappingProxyType(_capabilities(locator, snap.driver_version, scan)),
+        capabilities=MappingProxyType({**_capabilities(locator, snap.driver_version, scan),
+                                       **_drm_nodes(devices, scan)}),
     )
     log.debug("nvidia_discovered", gpus=len(snap.gpus), devices=len(devices),
               driver=snap.driver_version, problems=len(problems),
@@ -745,6 +747,36 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         if scan.root.exists(path):
             caps[cap] = ContainerEdits(device_nodes=nodes(scan.cap_node(path, key, what=cap)))
     return {k: _sorted(v) for k, v in caps.items() if v}
+
+
+def _drm_nodes(devices: Iterable[Device], scan: _Scan) -> dict[str, ContainerEdits]:
+    """Each GPU's DRM nodes, as the capability DRM_PREFIX + its PCI bus id: the entries
+    card<N> and renderD<N> of its /sys/bus/pci/devices/<bus id>/drm (nvidia-drm loaded;
+    the toolkit's drm.GetDeviceNodesByBusID reads the same), each the node /dev/dri/<entry>
+    of DRM's major with minor N (drm_drv.c registers major 226; drm_sysfs.c names the
+    nodes after their minors: card0-63, renderD128-191), taken as every node is (a
+    stale or foreign one is a Problem, and left out)."""
+    out = {}
+    for d in devices:
+        if d.kind != KIND_GPU or not d.pci_bus_id:
+            continue
+        entries = scan.root.listdir(scan.root.sys_path(f"bus/pci/devices/{d.pci_bus_id}/drm"))
+        nodes = []
+        for entry in entries:
+            named = _DRM_NODE_RE.fullmatch(entry)
+            if named is None:  # controlD<N> (old kernels), files
+                continue
+            node = scan.node(f"dri/{entry}", expect=(DRM_MAJOR, int(named[2])),
+                             what=f"GPU {d.name}'s DRM node (graphics, display)")
+            if node is not None:
+                nodes.append(node)
+        if nodes:
+            out[DRM_PREFIX + d.pci_bus_id] = _sorted(ContainerEdits(device_nodes=tuple(nodes)))
+    return out
+
+
+DRM_MAJOR = 226  # DRM's character major (the kernel's DRM_MAJOR)
+_DRM_NODE_RE = re.compile(r"(card|renderD)([0-9]{1,6})")
 
 
 def _firmware(locator: Locator, version: str) -> list[Mount]:
