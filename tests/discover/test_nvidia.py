@@ -193,6 +193,13 @@ def test_graphics_brings_the_files_that_make_egl_and_vulkan_find_the_driver(a100
         "/etc/vulkan/icd.d/nvidia_icd.json": f"{share}/vulkan/icd.d/nvidia_icd.json",
         "/etc/vulkan/implicit_layer.d/nvidia_layers.json":
             f"{share}/vulkan/implicit_layer.d/nvidia_layers.json",
+        f"{share}/X11/xorg.conf.d/10-nvidia.conf": f"{share}/X11/xorg.conf.d/10-nvidia.conf",
+        # X.Org's modules beside the driver's libraries, GLX also by the name X.Org loads
+        f"{X86}/nvidia/xorg/nvidia_drv.so": f"{X86}/nvidia/xorg/nvidia_drv.so",
+        f"{X86}/nvidia/xorg/libglxserver_nvidia.so.550.54.15":
+            f"{X86}/nvidia/xorg/libglxserver_nvidia.so.550.54.15",
+        f"{X86}/nvidia/xorg/libglxserver_nvidia.so":
+            f"{X86}/nvidia/xorg/libglxserver_nvidia.so.550.54.15",
     }
     # the GBM platform's own library, versioned apart from the driver, by its soname
     assert graphics[f"{LIB}/libnvidia-egl-gbm.so.1"] == f"{X86}/libnvidia-egl-gbm.so.1.1.1"

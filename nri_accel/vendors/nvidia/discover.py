@@ -39,7 +39,8 @@ What it finds:
     graphics    OpenGL/EGL/Vulkan libraries (and the EGL external platforms' own), and
                 the configuration files that make them found: glvnd's EGL vendor
                 file, the EGL external platforms, OptiX's nvoptix.bin, Vulkan's ICD
-                and layer files (the toolkit's graphics modifier; CONFIG_DIRS below)
+                and layer files, X.Org's NVIDIA modules and configuration (the
+                toolkit's graphics modifier; CONFIG_DIRS and XORG_TREES below)
     display     what graphics brings and /dev/nvidia-modeset
     ngx         libnvidia-ngx
     compat32/<capability>  (x86_64 nodes) the 32-bit builds of the libraries
@@ -172,12 +173,25 @@ GRAPHICS_CONFIGS = (
     "egl/egl_external_platform.d/15_nvidia_gbm.json",
     "egl/egl_external_platform.d/10_nvidia_wayland.json",
     "nvidia/nvoptix.bin",  # OptiX's built-in denoiser weights
+    "X11/xorg.conf.d/10-nvidia.conf",
+    "X11/xorg.conf.d/nvidia-drm-outputclass.conf",
 )
 VULKAN_CONFIGS = ("vulkan/icd.d/nvidia_icd.json", "vulkan/icd.d/nvidia_layers.json",
                   "vulkan/implicit_layer.d/nvidia_layers.json")
 VULKAN_ARCH_ICD = {"x86_64": "vulkan/icd.d/nvidia_icd.x86_64.json",
                    "aarch64": "vulkan/icd.d/nvidia_icd.aarch64.json"}
 VULKAN_DIR = "/etc"
+# X.Org's NVIDIA modules, for an X server in the container (the toolkit's
+# buildXOrgSearchPaths): the first of each found in the driver's library directory
+# (libcuda's) under nvidia/xorg and xorg/<module dir>, then under the distributions' X.Org
+# trees, mounted where found; libglxserver_nvidia.so.<version> at
+# libglxserver_nvidia.so too, the name X.Org loads it by (the toolkit makes that link
+# with a hook: a bind mount needs none).
+XORG_MODULE_DIRS = ("modules/drivers", "modules/extensions", "modules/updates/drivers",
+                    "modules/updates/extensions")
+XORG_TREES = ("/usr/lib/xorg", "/usr/lib64/xorg", "/usr/X11R6/lib", "/usr/X11R6/lib64")
+XORG_DRIVER = "nvidia_drv.so"
+XORG_GLX = "libglxserver_nvidia.so"
 # The EGL external platforms' own libraries (their files above load them), versioned
 # apart from the driver (egl-gbm, egl-wayland 1.x): the files their sonames name.
 EGL_PLATFORM_SONAMES = ("libnvidia-egl-gbm.so.1", "libnvidia-egl-wayland.so.1")
@@ -708,7 +722,8 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
                  for soname in EGL_PLATFORM_SONAMES
                  if (path := locator.find_soname(soname)) is not None]
     graphics = (*libs(GRAPHICS_LIBS, locator.arch, LIB_DIR), *platforms,
-                *configs(GRAPHICS_CONFIGS), *configs(vulkan, VULKAN_DIR))
+                *configs(GRAPHICS_CONFIGS), *configs(vulkan, VULKAN_DIR),
+                *_xorg_modules(locator, version))
     uvm = nodes(
         scan.node("nvidia-uvm", what="/dev/nvidia-uvm (compute)"),
         scan.node("nvidia-uvm-tools", what="/dev/nvidia-uvm-tools (compute)", required=False),
@@ -747,6 +762,24 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         if scan.root.exists(path):
             caps[cap] = ContainerEdits(device_nodes=nodes(scan.cap_node(path, key, what=cap)))
     return {k: _sorted(v) for k, v in caps.items() if v}
+
+
+def _xorg_modules(locator: Locator, version: str) -> list[Mount]:
+    """X.Org's NVIDIA driver and GLX modules (XORG_MODULE_DIRS above), each mounted at its
+    own path, the GLX module at its unversioned name too."""
+    cuda = locator.find_versioned("libcuda.so", version)
+    lib_dir = [posixpath.dirname(cuda)] if cuda is not None else []
+    dirs = (*(f"{d}/nvidia/xorg" for d in lib_dir),
+            *(f"{d}/xorg/{m}" for d in lib_dir for m in XORG_MODULE_DIRS),
+            *(f"{t}/{m}" for t in XORG_TREES for m in XORG_MODULE_DIRS))
+    out = []
+    for name, also in ((XORG_DRIVER, ()), (f"{XORG_GLX}.{version}", (XORG_GLX,))):
+        for d in dirs:
+            path = locator.regular_file(f"{d}/{name}")
+            if path is not None:
+                out += [Mount(locator.host_path(path), f"{d}/{n}") for n in (name, *also)]
+                break
+    return out
 
 
 def _drm_nodes(devices: Iterable[Device], scan: _Scan) -> dict[str, ContainerEdits]:
