@@ -172,6 +172,7 @@ def glance_decoder(key_prefixes: tuple[str, ...], env_prefixes: tuple[str, ...],
              or not (keys(pod_keys) or keys(own_keys)
                      or entries(container_env(container, env_scope))))
                 and not replaces(container_id := container.id, pod.id or pod.uid,
+                                 # container_name(), its annotations already read
                                  container.name or name_of("", own_keys))):
             answered(container_id, clock() - started)
             return ASKED_NOTHING

@@ -692,17 +692,14 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         return out
 
     def configs(names: Iterable[str], mounted_under: str | None = None) -> list[Mount]:
-        # The first regular file of each name in CONFIG_DIRS (a link inside the root
-        # followed, as the firmware's), mounted under the directory it was found in
-        # unless `mounted_under` says another
+        # each name's first file in CONFIG_DIRS, mounted under the directory it was
+        # found in unless `mounted_under` says another
         out = []
         for name in names:
-            for where in CONFIG_DIRS:
-                path = locator.regular_file(f"{where}/{name}")
-                if path is not None:
-                    out.append(Mount(locator.host_path(path),
-                                     f"{mounted_under or where}/{name}"))
-                    break
+            found = _first_file(locator, CONFIG_DIRS, name)
+            if found is not None:
+                where, path = found
+                out.append(Mount(locator.host_path(path), f"{mounted_under or where}/{name}"))
         return out
 
     def run_paths(name: str) -> tuple[str, ...]:
@@ -713,7 +710,8 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
 
     firmware = _firmware(locator, version)
     compute_libs = libs(COMPUTE_LIBS, locator.arch, LIB_DIR)
-    if not any(m.container_path.startswith(f"{LIB_DIR}/libcuda.so") for m in compute_libs):
+    cuda = locator.find_versioned("libcuda.so", version, locator.arch)  # one of compute_libs
+    if cuda is None:
         scan.problems.append(Problem(VENDOR, (
             f"libcuda.so.{version} not found under driver root {locator.root.driver_root}: "
             "the compute capability cannot run CUDA")))
@@ -723,7 +721,7 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
                  if (path := locator.find_soname(soname)) is not None]
     graphics = (*libs(GRAPHICS_LIBS, locator.arch, LIB_DIR), *platforms,
                 *configs(GRAPHICS_CONFIGS), *configs(vulkan, VULKAN_DIR),
-                *_xorg_modules(locator, version))
+                *_xorg_modules(locator, version, cuda))
     uvm = nodes(
         scan.node("nvidia-uvm", what="/dev/nvidia-uvm (compute)"),
         scan.node("nvidia-uvm-tools", what="/dev/nvidia-uvm-tools (compute)", required=False),
@@ -764,22 +762,32 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
     return {k: _sorted(v) for k, v in caps.items() if v}
 
 
-def _xorg_modules(locator: Locator, version: str) -> list[Mount]:
+def _xorg_modules(locator: Locator, version: str, cuda: str | None) -> list[Mount]:
     """X.Org's NVIDIA driver and GLX modules (XORG_MODULE_DIRS above), each mounted at its
-    own path, the GLX module at its unversioned name too."""
-    cuda = locator.find_versioned("libcuda.so", version)
+    own path, the GLX module at its unversioned name too; `cuda`: libcuda's path, whose
+    directory is the driver's library directory (None: not found)."""
     lib_dir = [posixpath.dirname(cuda)] if cuda is not None else []
     dirs = (*(f"{d}/nvidia/xorg" for d in lib_dir),
             *(f"{d}/xorg/{m}" for d in lib_dir for m in XORG_MODULE_DIRS),
             *(f"{t}/{m}" for t in XORG_TREES for m in XORG_MODULE_DIRS))
     out = []
     for name, also in ((XORG_DRIVER, ()), (f"{XORG_GLX}.{version}", (XORG_GLX,))):
-        for d in dirs:
-            path = locator.regular_file(f"{d}/{name}")
-            if path is not None:
-                out += [Mount(locator.host_path(path), f"{d}/{n}") for n in (name, *also)]
-                break
+        found = _first_file(locator, dirs, name)
+        if found is not None:
+            where, path = found
+            out += [Mount(locator.host_path(path), f"{where}/{n}") for n in (name, *also)]
     return out
+
+
+def _first_file(locator: Locator, dirs: Iterable[str], name: str) -> tuple[str, str] | None:
+    """(the directory, the file resolved inside the root) of the first of `dirs` that
+    holds `name` as a regular file (a link inside the root followed, as the firmware's);
+    None when none does."""
+    for where in dirs:
+        path = locator.regular_file(f"{where}/{name}")
+        if path is not None:
+            return where, path
+    return None
 
 
 def _drm_nodes(devices: Iterable[Device], scan: _Scan) -> dict[str, ContainerEdits]:
