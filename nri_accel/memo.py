@@ -9,8 +9,9 @@ constraints parse into some 150 KiB of objects. A bound on entries alone lets on
 author who creates a few thousand containers of distinct, large values hold hundreds of
 MiB (issue #10: caches have byte bounds). So a Memo counts the characters of the text
 behind each entry and starts over when either bound would be passed, and keeps no entry
-over a sixteenth of its characters: such a value is parsed again each time, as rare as
-it is (every bound on one value is far above what real requests write).
+over a sixteenth of its characters (or the largest its maker gives): such a value is
+parsed again each time, as rare as it is (every bound on one value is far above what
+real requests write).
 """
 
 from __future__ import annotations
@@ -23,21 +24,23 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 F = TypeVar("F", bound=Callable[..., Any])
 
-ENTRY_SHARE = 16  # an entry may hold at most 1/ENTRY_SHARE of a memo's characters
+ENTRY_SHARE = 16  # by default an entry may hold at most 1/ENTRY_SHARE of a memo's characters
 
 
 class Memo(Generic[K, V]):
     """A dict of at most `entries` entries made from at most `chars` characters of text
-    in all (each entry's as its put() says)."""
+    in all (each entry's as its put() says), none over `largest` (by default a
+    sixteenth of `chars`)."""
 
-    __slots__ = ("_chars", "_data", "_shared", "chars", "entries")
+    __slots__ = ("_chars", "_data", "_shared", "chars", "entries", "largest")
 
-    def __init__(self, entries: int, chars: int) -> None:
+    def __init__(self, entries: int, chars: int, largest: int | None = None) -> None:
         self._data: dict[K, V] = {}
         self._chars = 0
         self._shared: dict[int, object] = {}  # id -> what entries share, charged once
         self.entries = entries
         self.chars = chars
+        self.largest = chars // ENTRY_SHARE if largest is None else largest
 
     def get(self, key: K, default: Any = None) -> Any:
         return self._data.get(key, default)
@@ -47,9 +50,9 @@ class Memo(Generic[K, V]):
         """Remember `value` under `key`, made from `chars` characters, and holding
         `shared` (an object other entries may hold too: a request's parsed options),
         made from `shared_chars`, which is charged once however many entries hold it.
-        Not at all when they are over a sixteenth of the memo's; after starting over,
-        when a bound would be passed."""
-        if chars + shared_chars > self.chars // ENTRY_SHARE:
+        Not at all when they are over `largest`; after starting over, when a bound
+        would be passed."""
+        if chars + shared_chars > self.largest:
             return
         new = shared is not None and id(shared) not in self._shared
         owed = chars + (shared_chars if new else 0)
