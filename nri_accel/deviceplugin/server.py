@@ -211,6 +211,8 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
         recorder = self._plugins.recorders[event]
         try:
             response = handler(request)
+            if asyncio.iscoroutine(response):
+                response = await response
         except _Refused as e:
             recorder.record(REFUSED, time.perf_counter() - started)
             await context.abort(e.code, e.message)
@@ -222,7 +224,7 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
         recorder.record(OK, time.perf_counter() - started)
         return response
 
-    def _preferred(self, request: Any) -> pb2.PreferredAllocationResponse:
+    async def _preferred(self, request: Any) -> pb2.PreferredAllocationResponse:
         resource = self._endpoint.resource
         creqs = request.container_requests
         _check_size("get_preferred_allocation_refused", resource, len(creqs), (
@@ -232,7 +234,9 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
         self._require_nri("get_preferred_allocation_refused", resource.name,
                           [shown_ids(c.must_include_deviceIDs) for c in creqs])
         out = pb2.PreferredAllocationResponse()
-        for creq in creqs:
+        for n, creq in enumerate(creqs):
+            if n:  # the event loop free between containers: each can take a few ms
+                await asyncio.sleep(0)  # (8 GPUs of 1,024 replicas, all listed: 1-4 ms)
             ids = preferred_allocation(resource, creq.available_deviceIDs,
                                        creq.must_include_deviceIDs, creq.allocation_size)
             out.container_responses.add(deviceIDs=ids)

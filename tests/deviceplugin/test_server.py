@@ -12,6 +12,7 @@ import pytest
 
 from nri_accel.config import Config, DevicesConfig
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
+from nri_accel.deviceplugin.resources import PluginDevice
 from nri_accel.inventory import Inventory
 from nri_accel.vendors.nvidia import KIND_GPU
 
@@ -262,3 +263,52 @@ def test_a_resource_that_cannot_be_served_does_not_hold_back_the_others(kubelet,
     os.unlink(blocked)  # the operator clears the way: served at the next retry
     assert _ids(kubelet.wait_list(kubelet.wait_registered("aws.amazon.com/neuron"))) == [
         "0", "1"]
+
+
+def test_the_event_loop_runs_between_the_containers_of_a_preference() -> None:
+    # 8 GPUs of 1,024 time-slicing replicas: kubelet lists all 8,192 IDs for each
+    # container, a few ms of work each; the loop is free between two containers.
+    import asyncio
+
+    from nri_accel.deviceplugin.resources import Resource, preferred_allocation
+    from nri_accel.deviceplugin.server import _Servicer
+    from nri_accel.metrics import DEVICE_PLUGIN_EVENTS, RequestRecorder
+
+    gpus = Resource("nvidia.com/gpu", tuple(
+        PluginDevice(f"GPU-{g}::{n}", f"nvidia.com/gpu=GPU-{g}::{n}", numa_node=0)
+        for g in range(8) for n in range(1024)), replicas=1024)
+    every = [d.id for d in gpus.devices]
+
+    class Endpoint:  # stands for the resource's _Endpoint: its current Resource
+        resource = gpus
+
+    class Plugins:  # stands for DevicePlugins: its recorders, and `run` registered
+        recorders = RequestRecorder.for_events(DEVICE_PLUGIN_EVENTS)
+
+        def check_nri(self) -> str:
+            return ""
+
+    request = pb2.PreferredAllocationRequest(container_requests=[
+        pb2.ContainerPreferredAllocationRequest(available_deviceIDs=every,
+                                                allocation_size=size) for size in (1, 3, 8)])
+
+    async def main() -> tuple[list[list[str]], int]:
+        turns = 0  # of the loop, seen by a task beside the call
+
+        async def ticker() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)  # its first turn
+        answer = await _Servicer(Endpoint(), Plugins()).GetPreferredAllocation(request, None)
+        tick.cancel()
+        return [list(c.deviceIDs) for c in answer.container_responses], turns
+
+    answered, turns = asyncio.run(main())
+    assert answered == [list(preferred_allocation(gpus, every, [], size))
+                        for size in (1, 3, 8)]
+    assert answered[2] == [f"GPU-{g}::0" for g in range(8)]  # one replica of each GPU
+    assert turns == 3  # before the first container, and between each two
