@@ -324,6 +324,8 @@ class _Endpoint:
         self._socket: _SocketId | None = None
         self._changed = asyncio.Event()
         self._closed = False
+        self._streams = 0  # ListAndWatch streams being served (watch() running)
+        self._drained = asyncio.Event()  # set as the last of them ends
 
     async def start(self) -> None:
         why = unix_socket_path_problem(self.path)
@@ -384,22 +386,37 @@ class _Endpoint:
             self._notify()
 
     async def watch(self) -> AsyncIterator[tuple[Resource, bool]]:
-        """(resource, closed) now and after each change, until the endpoint is closed."""
+        """(resource, closed) now and after each change, until the endpoint is closed.
+        gRPC takes the next item once it has sent the one before: a stream ends after
+        its last list was sent."""
         sent: tuple[Resource, bool] | None = None
-        while True:
-            changed = self._changed
-            now = (self.resource, self.closed)
-            if now != sent:
-                sent = now
-                yield sent
-            if self._closed:
-                return
-            await changed.wait()
+        self._streams += 1
+        try:
+            while True:
+                changed = self._changed
+                now = (self.resource, self.closed)
+                if now != sent:
+                    sent = now
+                    yield sent
+                    continue  # a change, or the close, may have come while it was sent
+                if self._closed:
+                    return
+                await changed.wait()
+        finally:
+            self._streams -= 1
+            if not self._streams:
+                self._drained.set()
 
     async def close(self, grace: float) -> None:
-        """End ListAndWatch streams (after the last change is sent), stop, remove the socket."""
+        """End ListAndWatch streams once each has sent the last change (the emptied
+        list of a vanished resource, which makes kubelet drop its capacity at once),
+        waiting `grace` at most; stop the server, remove the socket."""
         self._closed = True
         self._notify()
+        if self._streams:
+            self._drained.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), grace)
         await self._stop_server(grace)
         if self.socket_intact():
             os.unlink(self.path)

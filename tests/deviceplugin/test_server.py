@@ -312,3 +312,39 @@ def test_the_event_loop_runs_between_the_containers_of_a_preference() -> None:
                         for size in (1, 3, 8)]
     assert answered[2] == [f"GPU-{g}::0" for g in range(8)]  # one replica of each GPU
     assert turns == 3  # before the first container, and between each two
+
+
+def test_closing_a_resource_waits_for_each_stream_to_send_its_last_list(tmp_path) -> None:
+    # A vanished resource is emptied, then closed, while a stream is still sending its
+    # list: the emptying is sent after it (a stream that ended at the close, seen
+    # once it had sent its list, left kubelet the devices it last saw), and the close
+    # waits until each ListAndWatch stream has sent it (gRPC takes the next item once
+    # it has sent the one before), so kubelet drops the capacity at once.
+    import asyncio
+
+    from nri_accel.deviceplugin.resources import Resource
+    from nri_accel.deviceplugin.server import _Endpoint
+
+    class Plugins:  # stands for DevicePlugins: the NRI side is registered
+        nri_down = False
+
+    async def main() -> tuple[list[int], list[int]]:
+        gpus = Resource("nvidia.com/gpu", (PluginDevice("GPU-a", "nvidia.com/gpu=GPU-a"),))
+        endpoint = _Endpoint(gpus, str(tmp_path), Plugins())
+        sent: list[int] = []
+
+        async def stream() -> None:  # a stream whose writes take a while (a slow kubelet)
+            async for resource, _ in endpoint.watch():
+                await asyncio.sleep(0.05)
+                sent.append(len(resource.devices))
+
+        task = asyncio.create_task(stream())
+        await asyncio.sleep(0.01)  # the first list is being sent
+        endpoint.set_resource(Resource("nvidia.com/gpu"))
+        await endpoint.close(grace=5.0)
+        at_close = list(sent)
+        await task
+        return at_close, sent
+
+    at_close, sent = asyncio.run(main())
+    assert at_close == sent == [1, 0]
