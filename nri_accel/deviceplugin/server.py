@@ -410,14 +410,16 @@ class _Endpoint:
     async def close(self, grace: float) -> None:
         """End ListAndWatch streams once each has sent the last change (the emptied
         list of a vanished resource, which makes kubelet drop its capacity at once),
-        waiting `grace` at most; stop the server, remove the socket."""
+        waiting `grace` in all at most, the server's stop included; remove the socket."""
         self._closed = True
         self._notify()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         if self._streams:
             self._drained.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), grace)
-        await self._stop_server(grace)
+        await self._stop_server(max(0.0, deadline - loop.time()))
         if self.socket_intact():
             os.unlink(self.path)
         self._socket = None

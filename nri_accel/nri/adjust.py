@@ -127,7 +127,6 @@ def _encode(edits: ContainerEdits, annotations: tuple[tuple[str, str], ...],
     return adj.SerializeToString(deterministic=True)
 
 
-
 def linux_device(node: DeviceNode) -> pb.LinuxDevice:
     dev = pb.LinuxDevice(path=node.path, type=node.type, major=node.major, minor=node.minor)
     if node.file_mode is not None:

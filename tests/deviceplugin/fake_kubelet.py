@@ -31,6 +31,7 @@ from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
 from nri_accel.deviceplugin import deviceplugin_pb2_grpc as pb2_grpc
 
 WAIT = 10.0  # seconds a wait_* helper waits before failing the test
+POLL = 0.02  # seconds between two looks of wait_for at its predicate
 
 
 @dataclass
@@ -142,7 +143,9 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
     def wait_for(self, predicate: Callable[[], Any], what: str, *,
                  timeout: float = WAIT, fail: bool = True) -> Any:
         """predicate()'s first true value, looked at whenever the fake kubelet records
-        something; after `timeout` seconds AssertionError, or None when not `fail`."""
+        something and every POLL seconds (a predicate may look at the plugin's own
+        state, which tells the fake kubelet nothing); after `timeout` seconds
+        AssertionError, or None when not `fail`."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -154,7 +157,7 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
                     if not fail:
                         return None
                     raise AssertionError(f"fake kubelet: timed out waiting for {what}")
-                self._cond.wait(left)
+                self._cond.wait(min(left, POLL))
 
     def registrations(self, resource: str) -> list[PluginConnection]:
         with self._cond:
