@@ -5,6 +5,8 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from msgspec.structs import replace
 
 from nri_accel.config import Config, DevicePluginConfig, DevicesConfig
@@ -461,3 +463,36 @@ def test_replicas_are_preferred_spread_over_the_least_shared_devices() -> None:
     assert preferred_allocation(res, free, [], 1) == (rid(2, 0),)
     # A must-include replica counts for its GPU.
     assert preferred_allocation(res, every, [rid(1, 2)], 2) == (rid(0, 0), rid(1, 2))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(data=st.data(), gpus=st.integers(1, 6), replicas=st.integers(2, 6))
+def test_replicas_are_spread_whatever_is_free_and_must_be_included(data, gpus: int,
+                                                                   replicas: int) -> None:
+    # The greedy spread (fewest replicas of the allocation first, then the least
+    # shared device, then inventory order) by what it promises, on random free sets,
+    # must-include sets and sizes: the size asked (or every ID there is), the
+    # must-include ones, nothing not offered, in inventory order; and no device short
+    # of free replicas left with two fewer than a device that got one by choice.
+    inv = Inventory(devices=tuple(Device(KIND_GPU, str(i), uuid=f"GPU-{i}", numa_node=0)
+                                  for i in range(gpus)))
+    (res,), _ = resources_from_inventory(inv, _settings(replicas=(("nvidia.com/gpu", replicas),)))
+    ids = [d.id for d in res.devices]
+    free = data.draw(st.lists(st.sampled_from(ids), unique=True), "free")
+    must = data.draw(st.lists(st.sampled_from(ids), unique=True, max_size=3), "must")
+    size = data.draw(st.integers(0, len(ids) + 2), "size")
+    got = preferred_allocation(res, free, must, size)
+    offered = set(free) | set(must)
+    assert len(got) == len(set(got)) == max(len(must), min(size, len(offered)))
+    assert set(must) <= set(got) <= offered
+    assert list(got) == sorted(got, key=ids.index)
+
+    def gpu(replica_id: str) -> str:
+        return replica_id.rpartition("::")[0]
+
+    held = {g: sum(gpu(i) == g for i in got) for g in map(gpu, ids)}
+    chosen = {gpu(i) for i in set(got) - set(must)}
+    short = {gpu(i) for i in set(free) - set(got)}  # still has a free replica
+    for a in short:
+        for b in chosen:
+            assert held[a] >= held[b] - 1, (a, b, held)
