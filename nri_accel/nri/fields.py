@@ -13,9 +13,9 @@ order and keeps to the same rules reads what one decode would.
 The cut reads each field's tag and length (varint tags; wire types 0 varint, 1
 fixed64, 2 length-delimited, 5 fixed32, 3 and 4 the start and end of a group) in
 Python, some 0.2 us a field: what a step bounded whatever the message costs. Bytes
-that are not whole fields raise protobuf's DecodeError, as decoding them would (a
-field number 0, or a string that is not UTF-8, is left to protobuf's decoding of the
-run).
+that are not whole fields raise protobuf's DecodeError, as decoding them would: a field
+number 0 where a field starts too (inside a group protobuf skips it, and so does the
+cut); a string that is not UTF-8 is left to protobuf's decoding of the run.
 
 Imports the standard library and protobuf only.
 """
@@ -123,7 +123,9 @@ def _skip(data: Encoding, pos: int, end: int, depth: int) -> tuple[int, int]:
     fields walked: 1, and a group's fields (nested ones too; see MAX_GROUP_FIELDS)."""
     tag, pos = _varint(data, pos, end)
     number, wire_type = tag >> 3, tag & 7
-    if number == 0 or tag > 0xFFFFFFFF:
+    # Field number 0 is refused where a message's field starts; inside a group protobuf
+    # (upb) skips it as any other, and so does this walk (the two views agree).
+    if (number == 0 and not depth) or tag > 0xFFFFFFFF:
         raise DecodeError(f"invalid field tag {tag}")
     if wire_type == 0:
         return _varint(data, pos, end)[1], 1

@@ -13,11 +13,12 @@ from types import MappingProxyType
 
 import pytest
 from demo_node import demo_inventory
+from steps import finished
 
 from nri_accel.config import Config, PolicyConfig
 from nri_accel.container import ContainerInfo
 from nri_accel.discover.hostroot import HostRoot
-from nri_accel.engine import Engine
+from nri_accel.engine import ENV_SCOPE, Engine
 from nri_accel.errors import AllocationError, InventoryError, RequestError
 from nri_accel.inventory import (
     ContainerEdits,
@@ -29,8 +30,10 @@ from nri_accel.inventory import (
     natural_key,
 )
 from nri_accel.nri import nri_pb2 as pb
-from nri_accel.nri.convert import container_info
+from nri_accel.nri.convert import container_info, decode_large, large_container_info
+from nri_accel.plugin import CONTAINER_KEYS
 from nri_accel.policy import Policy
+from nri_accel.request import ANNOTATION_PREFIXES
 from nri_accel.vendors.cdi.spec import discover_cdi
 
 INJECTOR = "cdi-devices.noderesource.dev"
@@ -80,6 +83,26 @@ def test_crio_metadata_nested_too_deeply() -> None:
     metadata."""
     container = pb.Container(id="c1", annotations={CRIO_METADATA: "[" * 3000})
     assert container_info(pb.PodSandbox(), container).container_name == ""
+
+
+@pytest.mark.parametrize("group", [b"s\x05\x00\x00\x00\x00t", b"s\x00\x00t",
+                                   b"s\x03\x04t", b"s\x02\x01xt"])
+def test_a_field_number_0_inside_a_group_is_skipped_by_both_views(group: bytes) -> None:
+    """test_fuzz_nri: a flipped byte made a pod's `sandbox-1` the start of a group (field
+    14) holding a field number 0. protobuf skips it inside a group (it refuses it only
+    where a message's field starts), and so accepted the request under
+    convert.LARGE_REQUEST; over it, the walk of nri/fields.py refused it as an invalid
+    tag: a request taken or refused by its size. Both now skip it."""
+    found = (b'\n\x1b\x08\tsandbox-1\x12\x05pod-a"\x07default'
+             b"\x12\x15\n\x02c1\x12\tsandbox-1\x1a\x04main")
+    pod = pb.PodSandbox(name="pod-a").SerializeToString() + group
+    built = pb.CreateContainerRequest(container=pb.Container(id="c1")).SerializeToString()
+    for data in (found, b"\n" + bytes([len(pod)]) + pod + built):
+        whole = pb.CreateContainerRequest.FromString(data)
+        large = decode_large(data)
+        info = finished(large_container_info(large.pod, large.container, ENV_SCOPE,
+                                             ANNOTATION_PREFIXES, CONTAINER_KEYS))
+        assert info.container_id == whole.container.id == "c1"
 
 
 # ---- the inventory loader (test_fuzz_inventory) ----------------------------------------------
