@@ -52,8 +52,8 @@ from nri_accel.nri import nri_pb2 as pb
 
 # encode_adjustment()'s memo of encodings: a node hands out few distinct edits (one per
 # device set and capability set, and the LD_LIBRARY_PATH of the images that set one), so
-# each is built once (decoding its bytes costs a tenth of building the message field by
-# field; a grant of 256 GPUs, 1.5 ms). Each is charged its bytes and its env's
+# each is built once and its bytes sent again (building the message field by field is
+# what costs: a grant of 256 GPUs, 1.5 ms). Each is charged its bytes and its env's
 # characters (the key's own text, which the container's LD_LIBRARY_PATH can make large):
 # 8 MiB in all, an entry of 128 KiB at most (a grant of all 512 GPUs of a node: 118 KiB;
 # one extending a 120 KiB LD_LIBRARY_PATH is built each time).

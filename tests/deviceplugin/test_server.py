@@ -3,6 +3,7 @@ server) and a real grpc client calling the plugin's sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
@@ -12,8 +13,10 @@ import pytest
 
 from nri_accel.config import Config, DevicesConfig
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
-from nri_accel.deviceplugin.resources import PluginDevice
+from nri_accel.deviceplugin.resources import PluginDevice, Resource, preferred_allocation
+from nri_accel.deviceplugin.server import _Endpoint, _Servicer
 from nri_accel.inventory import Inventory
+from nri_accel.metrics import DEVICE_PLUGIN_EVENTS, RequestRecorder
 from nri_accel.vendors.nvidia import KIND_GPU
 
 from .conftest import GPU0, GPU2, MIG_A, MIG_B, MIG_C, NODE_CONFIG, node_inventory
@@ -268,12 +271,6 @@ def test_a_resource_that_cannot_be_served_does_not_hold_back_the_others(kubelet,
 def test_the_event_loop_runs_between_the_containers_of_a_preference() -> None:
     # 8 GPUs of 1,024 time-slicing replicas: kubelet lists all 8,192 IDs for each
     # container, a few ms of work each; the loop is free between two containers.
-    import asyncio
-
-    from nri_accel.deviceplugin.resources import Resource, preferred_allocation
-    from nri_accel.deviceplugin.server import _Servicer
-    from nri_accel.metrics import DEVICE_PLUGIN_EVENTS, RequestRecorder
-
     gpus = Resource("nvidia.com/gpu", tuple(
         PluginDevice(f"GPU-{g}::{n}", f"nvidia.com/gpu=GPU-{g}::{n}", numa_node=0)
         for g in range(8) for n in range(1024)), replicas=1024)
@@ -320,11 +317,6 @@ def test_closing_a_resource_waits_for_each_stream_to_send_its_last_list(tmp_path
     # once it had sent its list, left kubelet the devices it last saw), and the close
     # waits until each ListAndWatch stream has sent it (gRPC takes the next item once
     # it has sent the one before), so kubelet drops the capacity at once.
-    import asyncio
-
-    from nri_accel.deviceplugin.resources import Resource
-    from nri_accel.deviceplugin.server import _Endpoint
-
     class Plugins:  # stands for DevicePlugins: the NRI side is registered
         nri_down = False
 
