@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Iterable, Mapping
-from operator import methodcaller
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -662,16 +661,15 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
 
 
 def _own_env(env: Iterable[str], keys: tuple[str, ...]) -> dict[str, str]:
-    """The container's values of the variables `keys` ("KEY=" prefixes). The entries are
-    filtered in C (str.startswith with a tuple): an env of tens of thousands of entries
-    costs a few milliseconds, not a Python loop. Raises RequestError for a variable
-    defined twice: the runtime applies an adjustment's value of a variable to its first
-    definition and keeps a later one as it is (containerd's NRI, generate.AdjustEnv), so
-    what nri-accel writes or removes there would be undone (NVIDIA_VISIBLE_DEVICES=all
-    after the void it writes, for a vendor hook installed beside it)."""
+    """The container's values of the variables `keys` ("KEY=" prefixes). Raises
+    RequestError for a variable defined twice: the runtime applies an adjustment's value
+    of a variable to its first definition and keeps a later one as it is (containerd's
+    NRI, generate.AdjustEnv), so what nri-accel writes or removes there would be undone
+    (NVIDIA_VISIBLE_DEVICES=all after the void it writes, for a vendor hook installed
+    beside it)."""
     out: dict[str, str] = {}
     if keys:
-        for kv in filter(methodcaller("startswith", keys), env):
+        for kv in [kv for kv in env if kv.startswith(keys)]:
             key, _, value = kv.partition("=")
             if key in out:
                 raise RequestError("defined more than once in the container's env, which "

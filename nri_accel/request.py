@@ -49,7 +49,6 @@ import re
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from itertools import islice
-from operator import methodcaller
 
 from msgspec import Struct
 
@@ -88,7 +87,6 @@ _READ_ENV = frozenset(n for p in PROFILES for n in p.env_names)
 _READ_ENV_PREFIXES = tuple(x for p in PROFILES for x in p.env_prefixes)
 # Entries of the env that some family reads.
 _READ_ENTRY_PREFIXES = (*(f"{n}=" for n in sorted(_READ_ENV)), *_READ_ENV_PREFIXES)
-_IS_READ_ENTRY = methodcaller("startswith", _READ_ENTRY_PREFIXES)
 ENV_PREFIXES = _READ_ENTRY_PREFIXES
 """Every env entry parse() reads starts with one of these ("NAME=", or a family's name
 prefix such as "NVIDIA_REQUIRE_")."""
@@ -97,9 +95,8 @@ ANNOTATION_PREFIXES = tuple(sorted({DEVICES_KEY, *_OPTION_KEYS, *INJECTOR_CDI_KE
 """Every annotation key parse() reads or refuses, on the pod or the container, starts
 with one of these. A container whose annotations and env (ENV_PREFIXES) have none asks
 for nothing: parse() would return an empty Parsed (nri_accel.plugin answers it at once)."""
-_IS_PARSED_KEY = methodcaller("startswith", ANNOTATION_PREFIXES)
 # Container annotations that ask for devices: these, and DEVICES_KEY itself.
-_IS_CONTAINER_SOURCE = methodcaller("startswith", (GRANT_KEY_PREFIX, *CDI_PREFIXES))
+_CONTAINER_SOURCE_PREFIXES = (GRANT_KEY_PREFIX, *CDI_PREFIXES)
 # What a refusal for too many keys names: the most specific of these most keys start with.
 _KEY_DOMAINS = tuple(sorted({*ANNOTATION_PREFIXES, GRANT_KEY_PREFIX,
                              *(k + "/container." for k in (DEVICES_KEY, *_OPTION_KEYS,
@@ -200,7 +197,8 @@ def check_bounds(info: ContainerInfo, env_scope: tuple[str, ...] = ENV_PREFIXES)
     for where, carried in (("pod", info.pod_annotations),
                            ("container", info.container_annotations)):
         if len(carried) > MAX_ANNOTATION_KEYS:
-            read = list(islice(filter(_IS_PARSED_KEY, carried), MAX_ANNOTATION_KEYS + 1))
+            read = list(islice((k for k in carried if k.startswith(ANNOTATION_PREFIXES)),
+                              MAX_ANNOTATION_KEYS + 1))
             if len(read) > MAX_ANNOTATION_KEYS:
                 domain = _most_common(read, _KEY_DOMAINS)
                 raise RequestError(
@@ -210,10 +208,10 @@ def check_bounds(info: ContainerInfo, env_scope: tuple[str, ...] = ENV_PREFIXES)
                     source=f"{where} annotations {domain}*")
     env = info.env
     if len(env) > MAX_ENV_ENTRIES:
-        read = list(islice(filter(methodcaller("startswith", env_scope), env),
-                           MAX_ENV_ENTRIES + 1))
+        read = list(islice((kv for kv in env if kv.startswith(env_scope)), MAX_ENV_ENTRIES + 1))
         if len(read) > MAX_ENV_ENTRIES:
-            _check_read_chars(filter(_IS_READ_ENTRY, read))  # the size first, if over too
+            # the size first, if over too
+            _check_read_chars(kv for kv in read if kv.startswith(_READ_ENTRY_PREFIXES))
             prefix = _most_common(read, env_scope)
             shown = prefix[:-1] if prefix.endswith("=") else prefix + "*"
             raise RequestError(
@@ -245,11 +243,12 @@ def read_by_parse(info: ContainerInfo) -> tuple[Hashable, ...]:
     the annotations whose key starts with one of ANNOTATION_PREFIXES (pod's, then the
     container's) and the env entries starting with one of ENV_PREFIXES. Two containers
     with equal keys parse alike (or fail alike); the key holds nothing else of them."""
-    starts = _IS_PARSED_KEY
+    keys, entries = ANNOTATION_PREFIXES, _READ_ENTRY_PREFIXES
     return (info.container_name,
-            tuple(sorted(kv for kv in info.pod_annotations.items() if starts(kv[0]))),
-            tuple(sorted(kv for kv in info.container_annotations.items() if starts(kv[0]))),
-            tuple(filter(_IS_READ_ENTRY, info.env)))
+            tuple(sorted([kv for kv in info.pod_annotations.items() if kv[0].startswith(keys)])),
+            tuple(sorted([kv for kv in info.container_annotations.items()
+                          if kv[0].startswith(keys)])),
+            tuple([kv for kv in info.env if kv.startswith(entries)]))
 
 
 def parse(info: ContainerInfo) -> Parsed:
@@ -348,7 +347,8 @@ def _container_keys(info: ContainerInfo) -> list[str]:
     """The keys of the container's own annotation sources, sorted: not those that are
     the runtime's copies of the pod's (equal key and value), parsed with the pod's."""
     own, pods = info.container_annotations, info.pod_annotations
-    keys = [*filter(_IS_CONTAINER_SOURCE, own), *((DEVICES_KEY,) if DEVICES_KEY in own else ())]
+    keys = [*(k for k in own if k.startswith(_CONTAINER_SOURCE_PREFIXES)),
+            *((DEVICES_KEY,) if DEVICES_KEY in own else ())]
     return [k for k in sorted(keys) if pods.get(k) != own[k]]
 
 
@@ -434,7 +434,7 @@ def _env_part(env: tuple[str, ...]) -> _EnvPart:
     image or pod defines (LD_LIBRARY_PATH, ...) is never kept."""
     if sum(map(len, env)) <= MAX_ENV_READ_CHARS:
         return _read_env_part(env)
-    read = tuple(filter(_IS_READ_ENTRY, env))  # filtered in C: a huge env costs little
+    read = tuple([kv for kv in env if kv.startswith(_READ_ENTRY_PREFIXES)])
     _check_read_chars(read)
     return _read_env_part(read)
 

@@ -60,7 +60,7 @@ import json
 import sys
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from functools import lru_cache
-from operator import attrgetter, itemgetter, methodcaller
+from operator import attrgetter, itemgetter
 from time import perf_counter_ns
 from types import MappingProxyType
 from typing import Any
@@ -347,18 +347,16 @@ def read_container_info(pod: Pod, container: Container, env_scope: tuple[str, ..
     """container_info() of a container (not one given as its encoding) with what its caller
     reads, as large_container_info() keeps it: the env as container_env() gives it,
     the pod's annotations whose key starts with one of `pod_keys` and the container's
-    with one of `own_keys`. The keys are filtered in C and a value is read only for a
-    key kept: protobuf's map copies itself entry by entry through Python's mapping
-    protocol (3 k instructions an entry; a container has 7 or more of the runtime's
-    own)."""
+    with one of `own_keys`. A value is read only for a key kept: protobuf's map copies
+    itself entry by entry through Python's mapping protocol (3 k instructions an entry;
+    a container has 7 or more of the runtime's own)."""
     return container_info(pod, container, container_env(container, env_scope),
                           pod_annotations=_starting(pod.annotations, pod_keys),
                           annotations=_starting(container.annotations, own_keys))
 
 
 def _starting(annotations: Mapping[str, str], prefixes: tuple[str, ...]) -> dict[str, str]:
-    return {k: annotations[k] for k in filter(methodcaller("startswith", prefixes),
-                                              annotations)}
+    return {k: annotations[k] for k in annotations if k.startswith(prefixes)}
 
 
 def container_info(pod: Pod, container: Container, env: tuple[str, ...] | None = None, *,
@@ -422,7 +420,7 @@ class PrefixTest:
     ("io.kubernetes.cri.container-name"), which end at the first step, that step takes
     40 % of the instructions startswith would take, the second 55 %."""
 
-    __slots__ = ("first", "firsts", "head", "heads", "starts")
+    __slots__ = ("first", "firsts", "head", "heads", "prefixes")
 
     def __init__(self, prefixes: tuple[str, ...]) -> None:
         if "" in prefixes:  # it would start every string, and have no first character
@@ -432,23 +430,21 @@ class PrefixTest:
         self.firsts = frozenset(p[:1] for p in prefixes)
         self.head = itemgetter(slice(None, n))
         self.heads = frozenset(p[:n] for p in prefixes)
-        self.starts = methodcaller("startswith", prefixes)
+        self.prefixes = prefixes
 
     def __call__(self, strings: Collection[str]) -> bool:
         return not (self.firsts.isdisjoint(map(self.first, strings))
                     or self.heads.isdisjoint(map(self.head, strings))
-                    or not any(map(self.starts, strings)))
+                    or not any(s.startswith(self.prefixes) for s in strings))
 
 
 def env_entries(env: Sequence[str], prefixes: tuple[str, ...]) -> tuple[str, ...]:
     """The entries of `env` that start with one of `prefixes`, in order. A large env is
     searched as one string (see the module docstring)."""
-    starts = methodcaller("startswith", prefixes)
-    if len(env) <= LARGE_ENV:
-        return tuple(filter(starts, env))
-    text = "\0".join(env[:])  # a slice: protobuf lists it faster than join would
-    if text.count("\0") != len(env) - 1:  # an entry holds a NUL
-        return tuple(filter(starts, env))
+    # env[:]: a slice, which protobuf lists faster than join would
+    text = "\0".join(env[:]) if len(env) > LARGE_ENV else None
+    if text is None or text.count("\0") != len(env) - 1:  # small, or an entry holds a NUL
+        return tuple([kv for kv in env if kv.startswith(prefixes)])
     found: dict[int, str] = {}  # position in `text` -> entry
     for needle in _needles(prefixes):
         separated = "\0" + needle
@@ -456,7 +452,7 @@ def env_entries(env: Sequence[str], prefixes: tuple[str, ...]) -> tuple[str, ...
         while at >= 0:
             end = text.find("\0", at)
             entry = text[at:] if end < 0 else text[at:end]
-            if starts(entry):
+            if entry.startswith(prefixes):
                 found[at] = entry
             at = -1 if end < 0 else _after(text.find(separated, end))
     return tuple(found[at] for at in sorted(found))
