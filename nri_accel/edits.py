@@ -190,7 +190,7 @@ FORBIDDEN_ENV = frozenset({"LD_PRELOAD", "LD_AUDIT"})
 # NVIDIA_REQUIRE_* constraints, some 25 times the text they were written in.
 MEMO_SIZE = 4096  # grants remembered before the memo starts over
 MEMO_CHARS = 1024 * 1024
-EDITS_MEMO_SIZE = 1024  # container edits remembered (per grant and env added)
+EDITS_MEMO_SIZE = 1024  # container edits remembered (per grant and own env values)
 EDITS_MEMO_CHARS = 1024 * 1024
 LD_LIBRARY_PATH = "LD_LIBRARY_PATH"
 # The longest "KEY=VALUE" string execve(2) accepts (MAX_ARG_STRLEN, 32 pages): a longer
@@ -236,9 +236,10 @@ class Catalog(Struct, frozen=True, eq=False):
     # build()'s memo of the grant-dependent part of the edits, per grant.
     memo: Memo[tuple[Any, ...], _Common] = field(
         default_factory=lambda: Memo(MEMO_SIZE, MEMO_CHARS))
-    # build()'s edits per grant and env added, of containers whose own devices and
-    # mounts replace none of the grant's: one object for all such containers, so that
-    # its hash (the adjustment memo's key, nri_accel.nri.adjust) is taken once.
+    # build()'s edits per grant and the container's own values of the variables they
+    # set, of containers whose own devices and mounts replace none of the grant's: one
+    # object for all such containers, so that its hash (the adjustment memo's key,
+    # nri_accel.nri.adjust) is taken once.
     edits: Memo[tuple[Any, ...], ContainerEdits] = field(
         default_factory=lambda: Memo(EDITS_MEMO_SIZE, EDITS_MEMO_CHARS))
 
@@ -533,34 +534,26 @@ def build(selection: Selection, request: Request, catalog: Catalog, *,
         common = _common(selection, request, catalog)
         catalog.memo.put(key, common, request.chars, request.env, request.env_chars)
 
-    own_env = _own_env(container_env, common.env_keys)
-    env = dict(common.env)
-    if common.lib_dirs:
-        own = own_env.get(LD_LIBRARY_PATH, "")
-        if len(own) + len(LD_LIBRARY_PATH) + 1 >= MAX_ENV_STRING:
-            raise RequestError(f"{len(own)} characters: nri-accel appends the driver's "
-                               "library directory to it, and a variable of "
-                               f"{MAX_ENV_STRING} bytes or more cannot be passed to a "
-                               "process (the kernel's MAX_ARG_STRLEN)",
-                               source=f"env {LD_LIBRARY_PATH}")
-        env[LD_LIBRARY_PATH] = _join_path(own, common.lib_dirs)
-    for k, v in common.defaults:
-        if k not in own_env:
-            env[k] = v
-    added = tuple(f"{k}={v}" for k, v in sorted(env.items()) if own_env.get(k) != v)
     nodes, mounts = common.nodes, common.mounts
     if not spec_devices.keys().isdisjoint(common.node_paths):
         nodes = _not_in_spec(nodes, spec_devices)
     if not mount_destinations.isdisjoint(common.mount_paths):
         mounts = tuple(m for m in mounts if m.container_path not in mount_destinations)
-    memo_key = ((key, added) if nodes is common.nodes and mounts is common.mounts
-                else None)
-    edits = catalog.edits.get(memo_key) if memo_key else None
+    # The container's own entries of the variables the edits set: with the grant, all
+    # that the env added depends on. Remembered by them (a workload's containers share
+    # their image's env): a hit skips reading them, extending LD_LIBRARY_PATH and sorting
+    # what is added, a tenth of a grant's plan (bench_hotpath.py).
+    keys = common.env_keys
+    own = tuple([kv for kv in container_env if kv.startswith(keys)]) if keys else ()
+    plain = nodes is common.nodes and mounts is common.mounts
+    memo_key = (key, own)
+    edits = catalog.edits.get(memo_key) if plain else None
     if edits is None:
-        edits = ContainerEdits(env=added, device_nodes=nodes, mounts=mounts,
-                               hooks=common.hooks, additional_gids=common.gids)
-        if memo_key:
-            catalog.edits.put(memo_key, edits, request.chars + sum(map(len, added)),
+        edits = ContainerEdits(env=_env_added(common, _own_env(own)), device_nodes=nodes,
+                               mounts=mounts, hooks=common.hooks, additional_gids=common.gids)
+        if plain:
+            catalog.edits.put(memo_key, edits,
+                              request.chars + sum(map(len, own)) + sum(map(len, edits.env)),
                               request.env, request.env_chars)
     return Built(edits, common.notes, common.facts)
 
@@ -660,22 +653,40 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
     )
 
 
-def _own_env(env: Iterable[str], keys: tuple[str, ...]) -> dict[str, str]:
-    """The container's values of the variables `keys` ("KEY=" prefixes). Raises
-    RequestError for a variable defined twice: the runtime applies an adjustment's value
-    of a variable to its first definition and keeps a later one as it is (containerd's
-    NRI, generate.AdjustEnv), so what nri-accel writes or removes there would be undone
-    (NVIDIA_VISIBLE_DEVICES=all after the void it writes, for a vendor hook installed
-    beside it)."""
+def _env_added(common: _Common, own_env: Mapping[str, str]) -> tuple[str, ...]:
+    """The env entries the edits add to a container whose own values of their variables
+    are `own_env`: LD_LIBRARY_PATH extended, the defaults it does not set, and no entry
+    equal to one it has. Raises RequestError for an LD_LIBRARY_PATH too long to extend."""
+    env = dict(common.env)
+    if common.lib_dirs:
+        own = own_env.get(LD_LIBRARY_PATH, "")
+        if len(own) + len(LD_LIBRARY_PATH) + 1 >= MAX_ENV_STRING:
+            raise RequestError(f"{len(own)} characters: nri-accel appends the driver's "
+                               "library directory to it, and a variable of "
+                               f"{MAX_ENV_STRING} bytes or more cannot be passed to a "
+                               "process (the kernel's MAX_ARG_STRLEN)",
+                               source=f"env {LD_LIBRARY_PATH}")
+        env[LD_LIBRARY_PATH] = _join_path(own, common.lib_dirs)
+    for k, v in common.defaults:
+        if k not in own_env:
+            env[k] = v
+    return tuple(f"{k}={v}" for k, v in sorted(env.items()) if own_env.get(k) != v)
+
+
+def _own_env(entries: Iterable[str]) -> dict[str, str]:
+    """The values of the container's env `entries`. Raises RequestError for a variable
+    defined twice: the runtime applies an adjustment's value of a variable to its first
+    definition and keeps a later one as it is (containerd's NRI, generate.AdjustEnv), so
+    what nri-accel writes or removes there would be undone (NVIDIA_VISIBLE_DEVICES=all
+    after the void it writes, for a vendor hook installed beside it)."""
     out: dict[str, str] = {}
-    if keys:
-        for kv in [kv for kv in env if kv.startswith(keys)]:
-            key, _, value = kv.partition("=")
-            if key in out:
-                raise RequestError("defined more than once in the container's env, which "
-                                   "nri-accel rewrites and the runtime would rewrite only "
-                                   "once: define it once", source=f"env {key}")
-            out[key] = value
+    for kv in entries:
+        key, _, value = kv.partition("=")
+        if key in out:
+            raise RequestError("defined more than once in the container's env, which "
+                               "nri-accel rewrites and the runtime would rewrite only "
+                               "once: define it once", source=f"env {key}")
+        out[key] = value
     return out
 
 

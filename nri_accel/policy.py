@@ -76,7 +76,7 @@ class Verdict(enum.Enum):
     IGNORE = "ignore"  # drop it and say why in Request.notes
 
 
-class Request(Struct, frozen=True):
+class Request(Struct, frozen=True, cache_hash=True):
     """What one container gets asked for, after the trust policy.
 
     Limits narrow the grants of the same vendor: the devices granted for a vendor are
@@ -86,7 +86,8 @@ class Request(Struct, frozen=True):
     (handed to the runtime instead when it resolves CDI itself). `options` carry each
     family's settings (driver capabilities, requirements, ...), `visible` the families
     whose visibility variable the env sets. `notes` say which requests were ignored and
-    why, for the canonical log line.
+    why, for the canonical log line. (cache_hash: a memoised request is a key of
+    select()'s memo at every create that asks for a device.)
     """
 
     grants: tuple[DeviceClaim, ...] = ()

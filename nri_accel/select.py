@@ -59,6 +59,12 @@ _MAX_ECHO = 64  # longest user-supplied id echoed back in an error message
 _MAX_LISTED = 16  # most device names listed in an "unknown device" error
 _MAX_HOLDERS = 8  # most held devices listed with their holders in a refused count
 _CHOICES_SIZE = 4096  # count choices remembered per inventory before starting over
+# select()'s memo of selections without a count, per inventory: entries, and characters
+# of the requests they were made from, each charged SELECTED_CHARS more a device it
+# selects (its tuples, sets and granted_by hold some 200 bytes a device).
+SELECTIONS_SIZE = 4096
+SELECTIONS_CHARS = 1024 * 1024
+SELECTED_CHARS = 64
 REPLICA_SEPARATOR = "::"  # kubelet time-slicing replica ids: "<device id>::<n>"
 
 
@@ -99,7 +105,7 @@ class DeviceIndex:
 
     __slots__ = ("_all", "_choices", "_countable", "_describe", "_members", "_memos", "_pci",
                  "_pos", "by_key", "devices", "families", "inventory", "keys", "names",
-                 "topology")
+                 "selections", "topology")
 
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
@@ -150,6 +156,8 @@ class DeviceIndex:
                                            for k in {*inventory.kinds(), *members}})
         self._memos: dict[str, Memo[Any, Any]] = {}
         self._choices: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+        self.selections: Memo[tuple[Any, ...], Selection] = Memo(SELECTIONS_SIZE,
+                                                                  SELECTIONS_CHARS)
 
     def members(self, kind: str) -> tuple[str, ...]:
         """The kinds `kind`'s ids and `all` cover (nvidia.com/gpu: GPUs and MIG devices)."""
@@ -233,10 +241,27 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
     """Resolve a Request against the inventory. `busy`: keys (Device.key) held
     exclusively by other running containers, each with its holders' names (counts avoid
     them; a refused count names them). With `cdi_passthrough`, CDI requests are handed
-    on as names. Raises RequestError and subclasses."""
+    on as names. Raises RequestError and subclasses.
+
+    A request without a count selects the same whoever holds what: its selection is
+    remembered in the index (a node's requests recur, each GPU named by the device
+    plugin in turn), which skips resolving, the family rules and building the record:
+    a quarter of a grant's plan (bench_hotpath.py). Refusals are not remembered."""
     if not request.grants and not request.drivers_only:
         return _NOTHING  # limits narrow grants, and no family has anything to check
-    busy = busy or {}
+    if any(c.count is not None for c in request.grants):
+        return _select(request, index, busy or {}, cdi_passthrough, shared_kinds)
+    key = (request, cdi_passthrough, shared_kinds)
+    found = index.selections.get(key)
+    if found is None:
+        found = _select(request, index, {}, cdi_passthrough, shared_kinds)
+        index.selections.put(key, found, request.chars + SELECTED_CHARS * len(found.keys),
+                             request.env, request.env_chars)
+    return found
+
+
+def _select(request: Request, index: DeviceIndex, busy: Mapping[str, str],
+            cdi_passthrough: bool, shared_kinds: Container[str]) -> Selection:
     granted: dict[int, Device] = {}  # position -> device
     specific: set[int] = set()  # named or counted: not only reached through `all`
     shared: set[int] = set()  # named as a replica, or of a shared kind

@@ -319,6 +319,29 @@ def test_containers_through_one_catalog_each_get_their_own_edits():
     assert edits() == plain
 
 
+def test_edits_remembered_per_env_are_by_its_values_of_the_variables_they_set():
+    # One object for a workload's containers, whatever else their env holds; a value of
+    # their own, or a variable defined twice, is never answered from what is remembered.
+    inv = demo_inventory()
+    catalog, req = compile_catalog(inv, DevicesConfig()), gpu_ids("0")
+    sel = select(req, DeviceIndex(inv))
+
+    def edits(*env: str) -> ContainerEdits:
+        return build(sel, req, catalog, container_env=env).edits
+
+    first = edits("PATH=/bin", "LD_LIBRARY_PATH=/opt/a")
+    assert edits("HOME=/root", "LD_LIBRARY_PATH=/opt/a", "TERM=xterm") is first
+    assert env_of(edits("LD_LIBRARY_PATH=/opt/b"))["LD_LIBRARY_PATH"] == f"/opt/b:{LIB64}"
+    assert env_of(first)["LD_LIBRARY_PATH"] == f"/opt/a:{LIB64}"
+    with pytest.raises(RequestError) as e:
+        edits("LD_LIBRARY_PATH=/opt/a", "PATH=/bin", "LD_LIBRARY_PATH=/opt/a")
+    assert e.value.source == "env LD_LIBRARY_PATH"
+    assert "defined more than once" in e.value.message
+    # the visibility variable the edits rewrite: an image's own value is replaced
+    assert env_of(edits("NVIDIA_VISIBLE_DEVICES=all"))["NVIDIA_VISIBLE_DEVICES"] == \
+        env_of(first)["NVIDIA_VISIBLE_DEVICES"]
+
+
 def test_output_is_deterministic_and_deduplicated():
     inv = demo_inventory()
     req = request(grants=(DeviceClaim(KIND_GPU, ids=("3", "1"), source=SRC),
