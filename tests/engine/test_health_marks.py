@@ -24,7 +24,7 @@ from engine_testing import (
 from structlog.testing import capture_logs
 
 from nri_accel.engine import Engine
-from nri_accel.errors import AllocationError
+from nri_accel.errors import AllocationError, NotFoundError
 from nri_accel.health import VANISHED, carry_vanished
 from nri_accel.inventory import Inventory
 from nri_accel.vendors.nvidia import KIND_GPU, KIND_MIG
@@ -56,6 +56,22 @@ def test_a_marked_gpu_is_refused_by_name_with_the_reason_and_skipped_by_counts(a
     assert GPU0 not in {d.key for d in plan.devices}
     with pytest.raises(AllocationError, match=r"only 0 of 8 are free .*unhealthy: 0 \(XID 79\)"):
         engine.plan(allocated("nvidia.com/gpu: 1", cid="c"))
+
+
+def test_a_request_granted_before_a_mark_or_a_swap_is_selected_again_after_it():
+    # select() remembers a named request's selection per inventory: a health mark or a
+    # refresh makes a new index, so nothing chosen before it is served after it
+    engine = Engine(demo_inventory(), standalone())
+    asks = allocated("nvidia.com/gpu=0", cid="a")
+    assert [d.key for d in engine.plan(asks).devices] == [GPU0]
+    engine.set_health("nvidia", {GPU0: "XID 79"})
+    with pytest.raises(AllocationError, match=r"nvidia.com/gpu=0 is unhealthy \(XID 79\)"):
+        engine.plan(asks)
+    engine.set_health("nvidia", {})
+    assert [d.key for d in engine.plan(asks).devices] == [GPU0]
+    engine.swap_inventory(without(demo_inventory(), "nvidia.com/gpu=0"))
+    with pytest.raises(NotFoundError, match="unknown device nvidia.com/gpu='0'"):
+        engine.plan(asks)
 
 
 def test_a_watch_that_clears_its_marks_makes_the_gpu_grantable_again():

@@ -283,6 +283,31 @@ def test_allocator_is_deterministic():
     assert {d.numa_node for d in first} == {0}
 
 
+# ---- what is remembered --------------------------------------------------------------------
+
+def test_a_request_without_a_count_is_selected_once_per_index_and_a_count_each_time():
+    index = DeviceIndex(demo_inventory())
+    named = ids("0", "3")
+    first = select(named, index)
+    assert select(ids("0", "3"), index) is first  # an equal request, another object
+    assert select(named, index, cdi_passthrough=True) is not first
+    assert select(named, DeviceIndex(demo_inventory())) is not first  # another inventory
+    # a count chooses among the free devices of each call: held ones are never served
+    # from an earlier choice
+    free = select(count(2), index)
+    busy = {k: "other" for k in free.device_keys}
+    again = select(count(2), index, busy)
+    assert again is not free and set(again.device_keys).isdisjoint(free.device_keys)
+
+
+def test_a_refusal_is_not_remembered_as_a_selection():
+    index = DeviceIndex(demo_inventory())
+    for _ in range(2):
+        with pytest.raises(NotFoundError):
+            select(ids("42"), index)
+    assert len(index.selections) == 0
+
+
 # ---- limits -------------------------------------------------------------------------------
 
 def _limited(grants: tuple[DeviceClaim, ...], *limits: DeviceClaim) -> Request:
