@@ -59,9 +59,9 @@ _MAX_ECHO = 64  # longest user-supplied id echoed back in an error message
 _MAX_LISTED = 16  # most device names listed in an "unknown device" error
 _MAX_HOLDERS = 8  # most held devices listed with their holders in a refused count
 _CHOICES_SIZE = 4096  # count choices remembered per inventory before starting over
-# select()'s memo of selections without a count, per inventory: entries, and characters
-# of the requests they were made from, each charged SELECTED_CHARS more a device it
-# selects (its tuples, sets and granted_by hold some 200 bytes a device).
+# select()'s memo of selections, per inventory: entries, and characters of the requests
+# they were made from, each charged SELECTED_CHARS more a device it selects (its tuples,
+# sets and granted_by hold some 200 bytes a device).
 SELECTIONS_SIZE = 4096
 SELECTIONS_CHARS = 1024 * 1024
 SELECTED_CHARS = 64
@@ -243,107 +243,139 @@ def select(request: Request, index: DeviceIndex, busy: Mapping[str, str] | None 
     them; a refused count names them). With `cdi_passthrough`, CDI requests are handed
     on as names. Raises RequestError and subclasses.
 
-    A request without a count selects the same whoever holds what: its selection is
-    remembered in the index (a node's requests recur, each GPU named by the device
-    plugin in turn), which skips resolving, the family rules and building the record:
-    a quarter of a grant's plan (bench_hotpath.py). Refusals are not remembered."""
+    Everything but a count's choice is a function of the request and the inventory, so
+    selections are remembered in the index (a node's requests recur: each GPU named by
+    the device plugin in turn, a workload's count asking again): a request without a
+    count by itself, which skips the whole selection, a quarter of a grant's plan
+    (bench_hotpath.py); one with a count by the devices its counts chose among the free
+    ones, chosen anew each time, which skips the family rules and building the record.
+    Refusals are not remembered."""
     if not request.grants and not request.drivers_only:
         return _NOTHING  # limits narrow grants, and no family has anything to check
-    if any(c.count is not None for c in request.grants):
-        return _select(request, index, busy or {}, cdi_passthrough, shared_kinds)
-    key = (request, cdi_passthrough, shared_kinds)
-    found = index.selections.get(key)
-    if found is None:
-        found = _select(request, index, {}, cdi_passthrough, shared_kinds)
-        index.selections.put(key, found, request.chars + SELECTED_CHARS * len(found.keys),
-                             request.env, request.env_chars)
+    key: tuple[Any, ...] = (request, cdi_passthrough, shared_kinds)
+    counted = any(c.count is not None for c in request.grants)
+    if not counted:
+        found = index.selections.get(key)
+        if found is not None:
+            return found
+    claimed = _Claimed(request, index, cdi_passthrough)
+    if counted:
+        key = (*key, claimed.count(index, busy or {}))
+        found = index.selections.get(key)
+        if found is not None:
+            return found
+    found = claimed.selection(request, index, cdi_passthrough, shared_kinds)
+    index.selections.put(key, found, request.chars + SELECTED_CHARS * len(found.keys),
+                         request.env, request.env_chars)
     return found
 
 
-def _select(request: Request, index: DeviceIndex, busy: Mapping[str, str],
-            cdi_passthrough: bool, shared_kinds: Container[str]) -> Selection:
-    granted: dict[int, Device] = {}  # position -> device
-    specific: set[int] = set()  # named or counted: not only reached through `all`
-    shared: set[int] = set()  # named as a replica, or of a shared kind
-    by: dict[int, str] = {}
-    notes: list[str] = []
-    counts: list[DeviceClaim] = []
-    passthrough: dict[int, Device] = {}
+class _Claimed:
+    """What a request's claims name, as select() builds its Selection: the devices its
+    ids, `all` and CDI requests name (made with the instance), then those its counts
+    choose (count())."""
 
-    for claim in request.grants:
-        if claim.cdi and cdi_passthrough:
-            for d, _ in _resolve_known(index, claim, notes):
-                passthrough.setdefault(index.position(d), d)
-            continue
-        if claim.all:
-            everything = index.all_of(claim.kind)
-            if not everything:
-                notes.append(f"{claim.source}: no healthy {claim.kind} devices on this node")
-            for pos in everything:
-                granted.setdefault(pos, index.devices[pos])
-                by.setdefault(pos, claim.source)
-        elif claim.ids:
-            options = request.option(family_of(claim.kind).name)
-            for ident in claim.ids:
-                d, replica = index.resolve(claim.kind, ident)
-                if d is None:
-                    raise index.unknown(claim.kind, ident, claim.source)
-                why = family_of(d.kind).refuse_named(d, options, index)
-                if why:
-                    raise AllocationError(why, source=claim.source)
-                if not d.healthy:
-                    raise AllocationError(f"{d.qualified_name} is unhealthy ({_health(d)}): "
-                                          "it is granted to no new container",
-                                          source=claim.source)
-                pos = index.position(d)
-                granted.setdefault(pos, d)
-                specific.add(pos)
-                by[pos] = claim.source
-                if replica:
-                    shared.add(pos)
-        elif claim.count is not None:
-            counts.append(claim)
+    __slots__ = ("by", "counts", "granted", "notes", "passthrough", "shared", "specific")
 
-    for claim in counts:
-        source = f"{claim.source} (count)"
-        for pos in _allocate(index, claim, busy, granted):
-            granted[pos] = index.devices[pos]
-            specific.add(pos)
-            by[pos] = source
+    def __init__(self, request: Request, index: DeviceIndex, cdi_passthrough: bool) -> None:
+        self.granted: dict[int, Device] = {}  # position -> device
+        self.specific: set[int] = set()  # named or counted: not only reached through `all`
+        self.shared: set[int] = set()  # named as a replica
+        self.by: dict[int, str] = {}  # position -> the source that granted it
+        self.notes: list[str] = []
+        self.counts: list[DeviceClaim] = []
+        self.passthrough: dict[int, Device] = {}
+        granted, specific, by = self.granted, self.specific, self.by
+        for claim in request.grants:
+            if claim.cdi and cdi_passthrough:
+                for d, _ in _resolve_known(index, claim, self.notes):
+                    self.passthrough.setdefault(index.position(d), d)
+                continue
+            if claim.all:
+                everything = index.all_of(claim.kind)
+                if not everything:
+                    self.notes.append(f"{claim.source}: no healthy {claim.kind} devices on "
+                                      "this node")
+                for pos in everything:
+                    granted.setdefault(pos, index.devices[pos])
+                    by.setdefault(pos, claim.source)
+            elif claim.ids:
+                options = request.option(family_of(claim.kind).name)
+                for ident in claim.ids:
+                    d, replica = index.resolve(claim.kind, ident)
+                    if d is None:
+                        raise index.unknown(claim.kind, ident, claim.source)
+                    why = family_of(d.kind).refuse_named(d, options, index)
+                    if why:
+                        raise AllocationError(why, source=claim.source)
+                    if not d.healthy:
+                        raise AllocationError(f"{d.qualified_name} is unhealthy "
+                                              f"({_health(d)}): it is granted to no new "
+                                              "container", source=claim.source)
+                    pos = index.position(d)
+                    granted.setdefault(pos, d)
+                    specific.add(pos)
+                    by[pos] = claim.source
+                    if replica:
+                        self.shared.add(pos)
+            elif claim.count is not None:
+                self.counts.append(claim)
 
-    narrowed = {c.vendor for c in request.limits}
-    if request.limits:
-        granted = _apply_limits(index, request.limits, granted)
-    if request.drivers_only:
-        granted = {p: d for p, d in granted.items()
-                   if vendor_of(d.kind) not in request.drivers_only}
+    def count(self, index: DeviceIndex, busy: Mapping[str, str]) -> tuple[tuple[int, ...], ...]:
+        """Serve the counts, among the devices no other container holds (`busy`) and
+        not named already; the positions each chose, in the request's order."""
+        picks = []
+        for claim in self.counts:
+            source = f"{claim.source} (count)"
+            chosen = _allocate(index, claim, busy, self.granted)
+            for pos in chosen:
+                self.granted[pos] = index.devices[pos]
+                self.specific.add(pos)
+                self.by[pos] = source
+            picks.append(chosen)
+        return tuple(picks)
 
-    order = sorted(granted)
-    devices = tuple([granted[p] for p in order])
-    _check_families(request, index, granted, order, {
-        p for p in order
-        if p in specific or (narrowed and vendor_of(granted[p].kind) in narrowed)})
-    keys = index.keys
-    shared_keys = frozenset([
-        keys[p] for p in order
-        if p not in specific or p in shared or granted[p].kind in shared_kinds])
-    held_passthrough: tuple[Device, ...] = ()
-    device_keys = tuple([keys[p] for p in order])
-    held = frozenset(device_keys)
-    if passthrough:
-        held_passthrough = tuple([passthrough[p] for p in sorted(passthrough)])
-        held |= frozenset([keys[p] for p in passthrough])
-        shared_keys |= frozenset([d.key for d in held_passthrough if d.kind in shared_kinds])
-    return Selection(
-        keys=held,
-        device_keys=device_keys,
-        devices=devices,
-        shared=shared_keys,
-        cdi_devices=request.cdi_names if cdi_passthrough else (),
-        passthrough=held_passthrough,
-        notes=tuple(notes),
-        granted_by=MappingProxyType({index.names[p]: by[p] for p in order}),
-    )
+    def selection(self, request: Request, index: DeviceIndex, cdi_passthrough: bool,
+                  shared_kinds: Container[str]) -> Selection:
+        """The Selection: the limits and drivers-only vendors applied, the family rules
+        checked."""
+        granted, specific = self.granted, self.specific
+        narrowed = {c.vendor for c in request.limits}
+        if request.limits:
+            granted = _apply_limits(index, request.limits, granted)
+        if request.drivers_only:
+            granted = {p: d for p, d in granted.items()
+                       if vendor_of(d.kind) not in request.drivers_only}
+
+        order = sorted(granted)
+        devices = tuple([granted[p] for p in order])
+        _check_families(request, index, granted, order, {
+            p for p in order
+            if p in specific or (narrowed and vendor_of(granted[p].kind) in narrowed)})
+        keys = index.keys
+        shared_keys = frozenset([
+            keys[p] for p in order
+            if p not in specific or p in self.shared or granted[p].kind in shared_kinds])
+        held_passthrough: tuple[Device, ...] = ()
+        device_keys = tuple([keys[p] for p in order])
+        held = frozenset(device_keys)
+        passthrough = self.passthrough
+        if passthrough:
+            held_passthrough = tuple([passthrough[p] for p in sorted(passthrough)])
+            held |= frozenset([keys[p] for p in passthrough])
+            shared_keys |= frozenset([d.key for d in held_passthrough
+                                      if d.kind in shared_kinds])
+        by = self.by
+        return Selection(
+            keys=held,
+            device_keys=device_keys,
+            devices=devices,
+            shared=shared_keys,
+            cdi_devices=request.cdi_names if cdi_passthrough else (),
+            passthrough=held_passthrough,
+            notes=tuple(self.notes),
+            granted_by=MappingProxyType({index.names[p]: by[p] for p in order}),
+        )
 
 
 _NOTHING = Selection()

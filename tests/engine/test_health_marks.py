@@ -70,7 +70,7 @@ def test_a_request_granted_before_a_mark_or_a_swap_is_selected_again_after_it():
     engine.set_health("nvidia", {})
     assert [d.key for d in engine.plan(asks).devices] == [GPU0]
     engine.swap_inventory(without(demo_inventory(), "nvidia.com/gpu=0"))
-    with pytest.raises(NotFoundError, match="unknown device nvidia.com/gpu='0'"):
+    with pytest.raises(NotFoundError, match=r"unknown device nvidia\.com/gpu='0'"):
         engine.plan(asks)
 
 

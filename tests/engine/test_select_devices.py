@@ -285,7 +285,7 @@ def test_allocator_is_deterministic():
 
 # ---- what is remembered --------------------------------------------------------------------
 
-def test_a_request_without_a_count_is_selected_once_per_index_and_a_count_each_time():
+def test_a_selection_is_remembered_per_index_and_a_count_by_what_it_chose():
     index = DeviceIndex(demo_inventory())
     named = ids("0", "3")
     first = select(named, index)
@@ -293,11 +293,17 @@ def test_a_request_without_a_count_is_selected_once_per_index_and_a_count_each_t
     assert select(named, index, cdi_passthrough=True) is not first
     assert select(named, DeviceIndex(demo_inventory())) is not first  # another inventory
     # a count chooses among the free devices of each call: held ones are never served
-    # from an earlier choice
+    # from an earlier choice, and the same choice is the same selection
     free = select(count(2), index)
     busy = {k: "other" for k in free.device_keys}
     again = select(count(2), index, busy)
     assert again is not free and set(again.device_keys).isdisjoint(free.device_keys)
+    assert select(count(2), index, busy) is again
+    # another free set that leads to the same choice: the same selection
+    others = [d.key for d in index.devices if d.key not in free.device_keys]
+    same = [select(count(2), index, {k: "other"}) for k in others]
+    assert any(s.device_keys == free.device_keys for s in same)
+    assert all(s is free for s in same if s.device_keys == free.device_keys)
 
 
 def test_a_refusal_is_not_remembered_as_a_selection():
