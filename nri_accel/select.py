@@ -1,11 +1,13 @@
 """Selection: which inventory devices a container's Request gets.
 
 Owns: resolving device ids against the Inventory (DeviceIndex), serving counts (the
-choice itself is nri_accel.topology's), limits, the family rules' call points, and the
-Selection record. Imports the standard library, msgspec, nri_accel.errors, nri_accel.inventory,
-nri_accel.policy (the Request), nri_accel.syntax, nri_accel.topology and nri_accel.vendors.
-Pure functions over frozen data: no I/O, no NVML, no logging. Who holds what lives in
-nri_accel.state and comes in as `busy`; the exclusivity rule itself is decided there.
+choice itself is nri_accel.topology's), limits, the family rules' call points, the
+Selection record, and the memo of selections each DeviceIndex keeps (select()).
+Imports the standard library, msgspec, nri_accel.errors, nri_accel.inventory,
+nri_accel.memo, nri_accel.policy (the Request), nri_accel.syntax, nri_accel.topology and
+nri_accel.vendors. Pure functions over frozen data (what they remember aside): no I/O,
+no NVML, no logging. Who holds what lives in nri_accel.state and comes in as `busy`;
+the exclusivity rule itself is decided there.
 
 Semantics (the NVIDIA ones follow libnvidia-container's select_devices; each family adds
 its own rules through its profile, see nri_accel.vendors.base):
