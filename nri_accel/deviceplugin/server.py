@@ -207,12 +207,12 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
         return await self._answer("pre_start_container", context, self._pre_start, request)
 
     async def _answer(self, event: str, context: Any, handler: Any, request: Any) -> Any:
+        """await handler(request) (each handler a coroutine function), recorded and with
+        a refusal or a defect turned into kubelet's status."""
         started = time.perf_counter()
         recorder = self._plugins.recorders[event]
         try:
-            response = handler(request)
-            if asyncio.iscoroutine(response):
-                response = await response
+            response = await handler(request)
         except _Refused as e:
             recorder.record(REFUSED, time.perf_counter() - started)
             await context.abort(e.code, e.message)
@@ -242,7 +242,7 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
             out.container_responses.add(deviceIDs=ids)
         return out
 
-    def _allocate(self, request: Any) -> pb2.AllocateResponse:
+    async def _allocate(self, request: Any) -> pb2.AllocateResponse:
         resource = self._endpoint.resource
         creqs = request.container_requests
         _check_size("allocate_refused", resource, len(creqs),
@@ -266,7 +266,7 @@ class _Servicer(pb2_grpc.DevicePluginServicer):
                      cdi_devices=list(grant.cdi_devices))
         return out
 
-    def _pre_start(self, request: Any) -> pb2.PreStartContainerResponse:
+    async def _pre_start(self, request: Any) -> pb2.PreStartContainerResponse:
         resource = self._endpoint.resource
         self._require_nri("pre_start_refused", resource.name, shown_ids(request.devices_ids))
         try:
