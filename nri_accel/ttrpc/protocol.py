@@ -213,7 +213,9 @@ class Connection:
             msg.method,
             msg.payload,
             msg.timeout_nano,
-            tuple([(kv.key, kv.value) for kv in md]) if md else (),  # faster than a genexpr
+            # md[:], a list: iterating the repeated field itself ends on an IndexError
+            # that protobuf formats a message for (0.2 us a request)
+            tuple([(kv.key, kv.value) for kv in md[:]]) if md else (),
         )
 
 
