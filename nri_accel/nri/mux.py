@@ -15,10 +15,19 @@ each connection's bytes as they arrive and the ttrpc decoder reassembles message
 
 Sizes. The Go peer refuses nothing on read, but its writer never sends a frame over
 PROTOCOL_MAX_PAYLOAD (a ttrpc header plus the 4 MiB message limit), so a longer
-frame is a protocol error here. Going the other way, the Go peer reads each
-logical connection through a 4096-byte buffered reader, and its mux returns ENOMEM
-when a frame does not fit the buffer it reads into: frames written to a Go peer must
-not exceed WRITE_FRAME_SIZE (4096) bytes, which encode() guarantees.
+frame is a protocol error here. Going the other way, encode() frames a message as
+the Go peer's own writer does (a 4096-byte buffered writer: the captures show a
+1.17 MB Synchronize as a frame of 4096 bytes and one of the rest), because of how the
+Go peer reads:
+- each logical connection through a 4096-byte buffered reader, which reads a frame
+  into its own buffer when it is empty and asked for less than 4096 bytes (a ttrpc
+  header, or the last bytes of a message), else straight into the message's buffer;
+  its mux returns ENOMEM where a frame does not fit the buffer it is read into. A
+  message's first WRITE_FRAME_SIZE (4096) bytes are one frame, the rest of it another,
+  which the reader takes whole into the message's buffer.
+- its mux queues at most 256 frames per connection (readQueueLen) and closes the
+  socket, dropping the plugin, when one more comes while they wait. Cut into frames of
+  4096 bytes, a 1 MiB answer would be 257 of them; framed as Go frames it, two.
 
 Flow control (nri_accel.ttrpc.flow): on the plugin's side (`serving`), reading
 stops while the socket's write buffer is over its high-water mark, that is while
@@ -56,7 +65,8 @@ HEADER_SIZE = 8
 PROTOCOL_MAX_PAYLOAD = TTRPC_HEADER_SIZE + MAX_MESSAGE_SIZE
 """Longest frame payload a conforming peer sends (containerd/nri maxPayloadSize)."""
 WRITE_FRAME_SIZE = 4096
-"""Longest frame payload this side writes: the read buffer size of Go ttrpc peers."""
+"""The first frame of a longer message (the read and write buffer size of Go ttrpc
+peers); its rest follows as one frame (encode())."""
 UNKNOWN_CONNS_LOGGED = 8
 """Distinct unknown connection ids warned about per socket (a peer may send 2**32)."""
 
@@ -136,17 +146,15 @@ class Demux:
 
 
 def encode(conn_id: int, data: bytes, frame_size: int = WRITE_FRAME_SIZE) -> bytes:
-    """`data` of one logical connection as mux frames of at most `frame_size` bytes."""
+    """One message (`data`, a whole ttrpc frame) of logical connection `conn_id` as mux
+    frames: one where it holds up to `frame_size` bytes, else its first `frame_size`
+    bytes and then the rest, as the Go peer writes it (see the module docstring)."""
     n = len(data)
     if n <= frame_size:
         return _HEADER.pack(conn_id, n) + data
     view = memoryview(data)
-    pieces = []
-    for start in range(0, n, frame_size):
-        chunk = view[start:start + frame_size]
-        pieces.append(_HEADER.pack(conn_id, len(chunk)))
-        pieces.append(chunk)
-    return b"".join(pieces)
+    return b"".join((_HEADER.pack(conn_id, frame_size), view[:frame_size],
+                     _HEADER.pack(conn_id, n - frame_size), view[frame_size:]))
 
 
 Sink = Callable[[bytes], None]
@@ -192,7 +200,8 @@ class MuxProtocol(GatedReader):
         self._lost_handlers[conn_id] = on_lost
 
     def sender(self, conn_id: int) -> Sink:
-        """A function writing bytes on logical connection `conn_id` (framed for the peer)."""
+        """A function writing a message (a whole ttrpc frame, each call one) on logical
+        connection `conn_id`, framed as the Go peer frames it (encode())."""
         sent_at = self.sent_at
 
         def send(data: bytes) -> None:
