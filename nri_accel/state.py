@@ -239,8 +239,17 @@ class Holdings(Struct):
         return tuple(self._grants[c] for c in sorted(self._grants))
 
     def snapshot(self) -> tuple[Grant, ...]:
-        """Every grant, unordered: a cheap copy to write out elsewhere."""
-        return tuple(self._grants.values())
+        """Every grant, unordered, each holding a part with the part's whole (as to_json()
+        writes it): a cheap copy to write out elsewhere (CheckpointWriter's). Only the
+        grants of the parts held are copied again: the rest is one C call."""
+        grants = self._grants
+        linked = {c for part in self._whole if (ids := self._holders.get(part)) for c in ids}
+        if not linked:
+            return tuple(grants.values())
+        out = dict(grants)
+        for c in linked:
+            out[c] = self._with_wholes(grants[c])
+        return tuple(out.values())
 
     def get(self, container_id: str) -> Grant | None:
         return self._grants.get(container_id)

@@ -5,6 +5,7 @@ plans and commits containers."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 from types import MappingProxyType
@@ -16,7 +17,7 @@ from msgspec import structs
 from nri_accel.engine import Engine, grant_annotations
 from nri_accel.errors import AllocationError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode, Driver, Inventory
-from nri_accel.state import Checkpoint, Grant, Holdings
+from nri_accel.state import Checkpoint, CheckpointWriter, Grant, Holdings
 from nri_accel.vendors.neuron import KIND, KIND_CORE, core_id
 
 
@@ -136,15 +137,26 @@ def test_a_held_mig_device_whose_gpu_left_mig_mode_still_ties_its_gpu() -> None:
 
 
 def test_the_checkpoint_keeps_a_held_parts_whole_across_a_restart(tmp_path: Path) -> None:
+    # Written as `run` writes it after each change: by a CheckpointWriter, from the
+    # holdings' snapshot (and not only by to_json, which `run` calls once, at start).
     inv = demo_inventory()
     engine = Engine(inv, standalone())
     admit(engine, asks("nvidia.com/mig=7:0", "a"))
+    admit(engine, asks("nvidia.com/gpu=0", "c"))
     checkpoint = Checkpoint(str(tmp_path), boot_id="boot")
-    checkpoint.save(engine.holdings.to_json("boot"))
+    writer = CheckpointWriter(checkpoint, engine.holdings.snapshot,
+                              known=lambda: engine.holdings.known)
+
+    async def written() -> bool:
+        return await writer.changed()
+
+    assert asyncio.run(written())
     gpu, mig = inv.find("nvidia.com/gpu", "7"), inv.find("nvidia.com/mig", "7:0")
     assert gpu is not None and mig is not None
     grants, known = checkpoint.load()
-    assert [g.wholes for g in grants] == [((mig.key, gpu.key),)]
+    assert {g.container_id: g.wholes for g in grants} == {"a": ((mig.key, gpu.key),), "c": ()}
+    assert Path(checkpoint.path).read_text() == engine.holdings.to_json("boot")
+    grants = [g for g in grants if g.container_id == "a"]
 
     restarted = Engine(mig_mode_off(inv, "7"), standalone())  # reconfigured meanwhile
     restarted.load_checkpoint(grants, known=known)
