@@ -218,16 +218,18 @@ class Engine:
     def held_containers(self) -> frozenset[str]:
         """The ids of the containers the holdings record a grant of."""
         with self._lock:
-            return frozenset(g.container_id for g in self.holdings.snapshot())
+            return self.holdings.container_ids()
 
-    def commit(self, plan: Plan) -> None:
+    def commit(self, plan: Plan) -> bool:
         """Record `plan`'s grant (replacing its container's earlier one, and that of an
-        earlier container of the same pod sandbox and name). An empty container id is
-        never recorded. Raises AllocationError if, since plan(), another container took one
-        of its devices (checked again only if the holdings changed since: the daemon
-        commits right after planning, the device plugin's threads may come between)."""
+        earlier container of the same pod sandbox and name); whether the holdings
+        changed (a grant recorded or one replaced: the checkpoint is written then). An
+        empty container id is never recorded (plan() grants it nothing). Raises
+        AllocationError if, since plan(), another container took one of its devices
+        (checked again only if the holdings changed since: the daemon commits right
+        after planning, the device plugin's threads may come between)."""
         if not plan.grant.container_id:
-            return
+            return False
         with self._lock:
             if self.holdings.version != plan.checked_at:
                 self.holdings.check(plan.grant,
@@ -238,6 +240,7 @@ class Engine:
                 log.info("grant_replaced", container_id=g.container_id, container=g.name,
                          by=plan.grant.container_id,
                          reason="a new create of the same pod sandbox and container name")
+        return bool(replaced or plan.grant.exclusive or plan.grant.shared)
 
     def release(self, container_id: str) -> Grant | None:
         """Forget what `container_id` holds (StopContainer, RemoveContainer)."""
@@ -296,7 +299,7 @@ class Engine:
         state, which is then known, unless `known` is false (a running container's
         grant could not be read)."""
         with self._lock:
-            before = {g.container_id for g in self.holdings.snapshot()}
+            before = self.holdings.container_ids()
             self.holdings.replace_all(grants, known=known)
         dropped = before - {g.container_id for g in grants}
         log.info("allocations_restored", containers=len(grants),
@@ -357,10 +360,15 @@ def _read_grant(info: ContainerInfo) -> tuple[Grant | None, bool]:
 
 
 def _check_recorded(info: ContainerInfo) -> None:
-    """Refuse a grant to a container with a namespace, pod or container name or id over
-    MAX_NAME_CHARS (Kubernetes allows 253 at most; a CRI client may send megabytes): a
-    grant records them, in its annotations and the checkpoint, which a few such grants
-    would fill past what it reads back (state.MAX_CHECKPOINT_BYTES)."""
+    """Refuse a grant to a container without an id (the holdings record a grant by it:
+    answered, its devices would be held by nobody; real runtimes always send one), or
+    with a namespace, pod or container name or id over MAX_NAME_CHARS (Kubernetes
+    allows 253 at most; a CRI client may send megabytes): a grant records them, in its
+    annotations and the checkpoint, which a few such grants would fill past what it
+    reads back (state.MAX_CHECKPOINT_BYTES)."""
+    if not info.container_id:
+        raise RequestError("empty: a grant is recorded by the container's id, and a "
+                           "container without one is granted nothing", source="container id")
     for what, name in (("namespace", info.namespace), ("pod name", info.pod_name),
                        ("pod uid", info.pod_uid), ("pod id", info.pod_id),
                        ("container name", info.container_name),

@@ -207,14 +207,14 @@ class AccelPlugin:
             result = adjust.encode_adjustment(plan.edits, plan.annotations,
                                               plan.cdi_devices)
             _check_size(len(result), plan)
-            self.engine.commit(plan)
+            changed = self.engine.commit(plan)
         except NriAccelError as exc:
             self._refused(info, exc, started)
             raise
         except Exception as exc:  # a bug: the container fails with a readable reason
             self._refused(info, exc, started)
             raise InternalError(f"nri-accel internal error: {exc}") from exc
-        saved = self._on_change() if plan.grant.exclusive or plan.grant.shared else None
+        saved = self._on_change() if changed else None  # a grant, or one it replaced
         if saved is None or self._synchronized:
             self._answered(info, plan, started)
             return result
@@ -235,16 +235,18 @@ class AccelPlugin:
 
     async def _once(self, saved: Awaitable[bool], result: bytes, info: ContainerInfo,
                     plan: Plan, started: int) -> bytes:
-        """`result`, once `saved` (the checkpoint write of the grant it reports) is done:
-        a plugin killed after answering must not restart from a checkpoint without it
-        where no Synchronize will say what runs (containerd 1.7 does not synchronise a
-        plugin it launches, and kills it when it stops). Where the write failed, the
-        grant is released and the container refused (UNAVAILABLE): answered, it would be
-        a grant the next start cannot know of. A plugin the runtime synchronised answers
+        """`result`, once `saved` (the checkpoint write of what the create changed: its
+        grant, or the end of the one it replaced) is done: a plugin killed after
+        answering must not restart from a checkpoint without it where no Synchronize
+        will say what runs (containerd 1.7 does not synchronise a plugin it launches,
+        and kills it when it stops). Where the write of a grant failed, the grant is
+        released and the container refused (UNAVAILABLE): answered, it would be a grant
+        the next start cannot know of (a checkpoint still holding a replaced grant only
+        holds more than runs). A plugin the runtime synchronised answers
         at once: after a restart it is synchronised again, and reads the grant back from
         the container's annotations (the write, off the event loop, costs a create
         0.2-0.6 ms)."""
-        if await saved:
+        if await saved or not (plan.grant.exclusive or plan.grant.shared):
             self._answered(info, plan, started)
             return result
         self.engine.release(info.container_id)

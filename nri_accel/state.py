@@ -254,6 +254,10 @@ class Holdings(Struct):
     def get(self, container_id: str) -> Grant | None:
         return self._grants.get(container_id)
 
+    def container_ids(self) -> frozenset[str]:
+        """The ids of the containers a grant is recorded for."""
+        return frozenset(self._grants)
+
     def held_keys(self) -> frozenset[str]:
         return frozenset(self._holders)
 

@@ -153,3 +153,15 @@ def test_a_grant_is_refused_to_a_container_whose_names_it_could_not_record(
     assert [d.qualified_name for d in engine.plan(at_limit).devices] == ["nvidia.com/gpu=0"]
     nothing = msgspec.structs.replace(container(), **{field: "x" * 1_000_000})
     assert engine.plan(nothing).devices == ()
+
+
+def test_a_grant_is_refused_to_a_container_without_an_id(engine: Engine) -> None:
+    """The holdings record a grant by the container's id: answered with its devices, a
+    container without one would hold them unrecorded, free for the next container.
+    Asking for nothing, it is served."""
+    asks = container(annotations={"devices.nri-accel.io": "nvidia.com/gpu=0"}, cid="")
+    with pytest.raises(RequestError, match="granted nothing") as err:
+        engine.plan(asks)
+    assert err.value.source == "container id"
+    assert engine.plan(container(cid="")).devices == ()
+    assert engine.holdings.container_ids() == frozenset()

@@ -122,6 +122,28 @@ async def test_the_checkpoint_follows_every_change(tmp_path: Path):
     await writer.flush()
 
 
+async def test_a_create_that_replaces_a_grant_and_asks_nothing_writes_the_checkpoint(
+        tmp_path: Path):
+    # kubelet's retry of a create under the same sandbox and name, its request changed
+    # meanwhile (env from a ConfigMap) to ask for nothing: the earlier grant ends, in
+    # the holdings and in the checkpoint (a restart without Synchronize reads that).
+    engine = Engine(demo_inventory(), STANDALONE)
+    checkpoint = Checkpoint(str(tmp_path), boot_id="b")
+    writer = CheckpointWriter(checkpoint, engine.holdings.snapshot)
+    accel = AccelPlugin(engine, writer.changed)
+    pod = make_pod({"name": "p", "annotations": {KEY: "nvidia.com/gpu: 1"}})
+    assert isinstance(await accel.create_container(pod, make_container(pod, {"name": "main"})),
+                      bytes)
+    assert [g.container_id for g in checkpoint.load()[0]] != []
+    retried = make_pod({"name": "p", "annotations": {KEY: ""}})
+    assert retried.id == pod.id
+    answer = accel.create_container(retried, make_container(retried, {"name": "main",
+                                                                       "id": "retry-1"}))
+    assert isinstance(await answer, bytes)  # once the checkpoint says the grant ended
+    assert held(engine) == {}
+    assert checkpoint.load() == ([], True)
+
+
 async def test_a_large_create_that_grants_waits_for_the_checkpoint_too(tmp_path: Path):
     engine = Engine(demo_inventory(), STANDALONE)
     writer = CheckpointWriter(Checkpoint(str(tmp_path), boot_id="b"), engine.holdings.snapshot)
