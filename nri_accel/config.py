@@ -92,7 +92,7 @@ from typing import Any
 from msgspec import Struct, field
 
 from nri_accel.errors import ConfigError
-from nri_accel.inventory import DEVICE_NAME_RE, KIND_RE
+from nri_accel.inventory import KIND_RE, is_device_name
 from nri_accel.metrics import parse_address
 from nri_accel.nri import DEFAULT_SOCKET
 
@@ -366,9 +366,10 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
         if not kind or not KIND_RE.fullmatch(kind):
             raise ConfigError("must be vendor/class, e.g. \"acme.example/npu\"",
                               source=r.src(f"{where}.kind"))
-        if not dname or not DEVICE_NAME_RE.fullmatch(dname):
+        if not dname or not is_device_name(dname):
             raise ConfigError("must be a device name such as \"npu0\" (letters, digits, "
-                              "'_', '-', '.', ':'; a letter or digit first and last)",
+                              "'_', '-', '.', ':'; a letter or digit first and last; no '::', "
+                              "which kubelet's time-slicing replica ids use)",
                               source=r.src(f"{where}.name"))
         nodes = r.str_list(d, f"{where}.device_nodes", [])
         for n in nodes:

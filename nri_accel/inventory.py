@@ -88,6 +88,16 @@ NVIDIA_VENDOR = vendor_of(KIND_GPU)  # "nvidia.com": GPUs and MIG devices
 _CDI_PART = r"[A-Za-z](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?"
 KIND_RE = re.compile(rf"{_CDI_PART}/{_CDI_PART}")
 DEVICE_NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.:-]*[A-Za-z0-9])?")
+REPLICA_SEPARATOR = "::"
+"""What a kubelet time-slicing replica's id puts between its device's id and its number
+("<device id>::<n>"), and so never in a device's name (is_device_name)."""
+
+
+def is_device_name(name: str) -> bool:
+    """Whether `name` may name a device: CDI's grammar (DEVICE_NAME_RE) without
+    REPLICA_SEPARATOR, with which the device "npu::1" would read as a replica of "npu"
+    (shared) to `run` while the device plugin hands it out as itself."""
+    return DEVICE_NAME_RE.fullmatch(name) is not None and REPLICA_SEPARATOR not in name
 
 # "domain:bus:device.function" in hex, any case and zero padding ("0:3b:0.0", NVML's
 # "00000000:3B:00.0", sysfs's "0000:3b:00.0").
@@ -392,6 +402,11 @@ class Inventory:
             problems = [_decode(Problem, d, f"problems[{i}]")
                         for i, d in enumerate(_list_at(data, "problems"))]
             _check_drivers(drivers)
+            for i, d in enumerate(devices):
+                if REPLICA_SEPARATOR in d.name:
+                    raise ValueError(f"devices[{i}].name: {d.name!r} holds "
+                                     f"{REPLICA_SEPARATOR!r}, which kubelet's time-slicing "
+                                     "replica ids use")
             collisions = identity_collisions(devices)
             if collisions:
                 raise ValueError(collisions[0].describe(devices, path=True))

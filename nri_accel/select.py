@@ -49,7 +49,13 @@ from typing import Any
 from msgspec import Struct
 
 from nri_accel.errors import AllocationError, NotFoundError, PolicyError, cut
-from nri_accel.inventory import Device, Inventory, parse_pci_bus_id, vendor_of
+from nri_accel.inventory import (
+    REPLICA_SEPARATOR,
+    Device,
+    Inventory,
+    parse_pci_bus_id,
+    vendor_of,
+)
 from nri_accel.memo import Memo
 from nri_accel.policy import Request
 from nri_accel.syntax import DeviceClaim
@@ -67,7 +73,6 @@ _CHOICES_SIZE = 4096  # count choices remembered per inventory before starting o
 SELECTIONS_SIZE = 4096
 SELECTIONS_CHARS = 1024 * 1024
 SELECTED_CHARS = 64
-REPLICA_SEPARATOR = "::"  # kubelet time-slicing replica ids: "<device id>::<n>"
 
 
 class Selection(Struct, frozen=True):

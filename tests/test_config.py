@@ -149,6 +149,7 @@ def test_errors_name_the_key(data, fragment) -> None:
     ("1acme.example/npu", "npu0", "kind"),  # a CDI vendor starts with a letter
     ("acme.example/npu", "npu0.", "name"),  # a device name ends with a letter or digit
     ("acme.example/npu", "npu/0", "name"),
+    ("acme.example/npu", "npu::1", "name"),  # a kubelet replica id's separator
 ])
 def test_static_kinds_and_names_follow_the_request_syntax(kind, name, bad_key) -> None:
     # A static device that requests could not name would be discovered but never granted.

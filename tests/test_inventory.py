@@ -153,6 +153,9 @@ def _one_node(major: object, minor: object) -> str:
          "drivers[2].vendor: 'v' is already the vendor of drivers[0]"),
         ("{not json", "not valid JSON: Expecting property name enclosed in double quotes: "
                       "line 1 column 2 (char 1)"),
+        # "npu::1" would be read as a time-slicing replica of "npu" (select.resolve)
+        ('{"schema_version": 1, "devices": [{"kind": "acme.example/npu", "name": "npu::1"}]}',
+         "devices[0].name: 'npu::1' holds '::', which kubelet's time-slicing replica ids use"),
     ],
 )
 def test_bad_inventory_json_names_the_file_then_the_json_path(doc: str, message: str) -> None:

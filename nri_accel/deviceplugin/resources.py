@@ -54,9 +54,8 @@ from msgspec import Struct
 
 from nri_accel.config import Config, extended_resource_name_error
 from nri_accel.errors import AllocationError, NotFoundError, RequestError, cut
-from nri_accel.inventory import Device, Inventory, Problem
+from nri_accel.inventory import REPLICA_SEPARATOR, Device, Inventory, Problem
 from nri_accel.request import GRANT_KEY_PREFIX
-from nri_accel.select import REPLICA_SEPARATOR
 from nri_accel.syntax import MAX_IDS, MAX_VALUE_BYTES
 from nri_accel.topology import Topology, choose
 from nri_accel.vendors import PROFILES, family_of, parent_of

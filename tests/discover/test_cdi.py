@@ -119,6 +119,10 @@ BAD_SPECS = [
     (_spec(devices=[]), "devices: a spec must define at least one device"),
     (_spec(devices=[{"name": "-x", "containerEdits": {"env": ["A=1"]}}]),
      "devices[0].name: '-x' is not a device name"),
+    # CDI's grammar allows it, but "npu::1" is what kubelet names replica 1 of "npu"
+    (_spec(devices=[{"name": "npu::1", "containerEdits": {"env": ["A=1"]}}]),
+     "devices[0].name: 'npu::1' is not a device name (letters, digits, '_', '-', '.', ':'; "
+     "starting and ending with a letter or digit; no '::'"),
     (_spec(devices=[{"name": "a", "containerEdits": {"env": ["A=1"]}},
                     {"name": "a", "containerEdits": {"env": ["A=2"]}}]),
      "devices[1].name: device 'a' is defined twice"),

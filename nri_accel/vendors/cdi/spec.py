@@ -99,7 +99,6 @@ from nri_accel.edits import (
 from nri_accel.errors import DiscoveryError, cut
 from nri_accel.files import UnreadableFile, read_regular
 from nri_accel.inventory import (
-    DEVICE_NAME_RE,
     ContainerEdits,
     Device,
     DeviceNode,
@@ -108,6 +107,7 @@ from nri_accel.inventory import (
     Inventory,
     Mount,
     Problem,
+    is_device_name,
     merge_edits,
 )
 from nri_accel.log import get_logger
@@ -526,9 +526,10 @@ def _check_kind(kind: str) -> None:
 
 
 def _check_device_name(name: str, loc: str) -> None:
-    if not DEVICE_NAME_RE.fullmatch(name):
+    if not is_device_name(name):
         raise SpecError(f"{loc}: {_shown(name)} is not a device name (letters, digits, '_', '-', "
-                        "'.', ':'; starting and ending with a letter or digit)")
+                        "'.', ':'; starting and ending with a letter or digit; no '::', which "
+                        "kubelet's time-slicing replica ids use)")
 
 
 def _check_path(v: Any, loc: str) -> str:
