@@ -463,6 +463,9 @@ class Checkpoint:
         except ValueError as e:
             self._unreadable(str(e))
             return [], False
+        except RecursionError:  # JSON nested deeper than the parser goes
+            self._unreadable("not valid JSON: nested too deeply")
+            return [], False
         boot = doc.get("boot_id", "")
         if self.boot_id and not (isinstance(boot, str) and boot):
             self._unreadable("boot_id must be the boot's id, a non-empty string")
@@ -755,10 +758,10 @@ class CheckpointWriter:
             try:
                 await asyncio.to_thread(self._write, grants, known)
                 ok = True
-            except OSError as e:
+            except Exception as e:  # OSError: the disk's; any other, a bug: failed all the same
                 self.failures += 1
                 log.error("checkpoint_write_failed", path=self.checkpoint.path,
-                          error=e.strerror or str(e),
+                          error=(isinstance(e, OSError) and e.strerror) or str(e),
                           risk="a restart without Synchronize would not know these grants")
             else:
                 self.failures = 0

@@ -276,7 +276,8 @@ def test_no_checkpoint_means_nothing_granted_on_this_boot(tmp_path: Path):
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "grants": []}),
                                      json.dumps({"version": 1, "grants": [{"x": 1}]}),
                                      json.dumps({"version": 1, "grants": [
-                                         {"container_id": "a", "wholes": {"k/p=0": 1}}]})])
+                                         {"container_id": "a", "wholes": {"k/p=0": 1}}]}),
+                                     "[" * 100_000])  # deeper than the JSON parser goes
 def test_an_unreadable_checkpoint_leaves_grants_refused_until_synchronize(tmp_path: Path,
                                                                          content: str):
     # counted or named, no device is granted exclusively while a container nri-accel no
