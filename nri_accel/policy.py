@@ -35,7 +35,10 @@ that may not grant is REFUSED when it is an explicit pod annotation and IGNORED 
 note) when it comes from env, because every CUDA image ships NVIDIA_VISIBLE_DEVICES=all;
 this mirrors the toolkit's accept-nvidia-visible-devices-envvar-when-unprivileged=false.
 An env ask only a granting source may make (NVIDIA_MIG_CONFIG_DEVICES, ...) is refused
-where env may not grant (the toolkit: in an unprivileged container).
+where env may not grant (the toolkit: in an unprivileged container), and a malformed
+variable that qualifies a grant (NVIDIA_DRIVER_CAPABILITIES, NVIDIA_REQUIRE_*, ...) is
+refused; both only for a container granted a device of that vendor, as the toolkit
+reads them for a GPU container only (else a note says what was not read).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from msgspec import Struct
 from msgspec.structs import replace
 
 from nri_accel.container import ContainerInfo
-from nri_accel.errors import PolicyError, cut
+from nri_accel.errors import PolicyError, RequestError, cut
 from nri_accel.memo import Memo, text_chars
 from nri_accel.request import (
     ID_CHARS,
@@ -215,9 +218,17 @@ class Policy(Struct, frozen=True):
                         drivers_only.add(vendor)
             granted_vendors |= rank_vendors
 
-        for source in parsed.privileged:
-            if not self.may_grant(Origin.ENV, namespace):
-                raise PolicyError(self.reason(Origin.ENV, namespace), source=source)
+        if parsed.privileged or parsed.problems:  # what qualifies a grant of a vendor's
+            # devices counts where the container gets one (the toolkit reads it only for
+            # a GPU container)
+            granted = drivers_only.union(c.vendor for c in grants)
+            for vendor, source in parsed.privileged:
+                if vendor in granted and not self.may_grant(Origin.ENV, namespace):
+                    raise PolicyError(self.reason(Origin.ENV, namespace), source=source)
+            for vendor, source, message in parsed.problems:
+                if vendor in granted:
+                    raise RequestError(message, source=source)
+                notes.append(f"{source} not read ({message}): no {vendor} device is granted")
         return Request(
             grants=tuple(sorted(grants, key=claim_order)),
             limits=tuple(sorted(limits, key=claim_order)),

@@ -167,11 +167,14 @@ class Parsed(Struct, frozen=True):
     """Everything one container asks, before the trust policy."""
 
     sources: tuple[Source, ...]  # container annotations, pod annotations, env
-    privileged: tuple[str, ...] = ()  # env asks only a granting origin may make
+    privileged: tuple[tuple[str, str], ...] = ()  # (vendor, source): env asks only a
+    # granting origin may make, of a grant of the vendor's devices
     options: tuple[tuple[str, Hashable], ...] = ()  # (family, options) where not default
     visible: frozenset[str] = frozenset()  # families whose visibility variable env sets
     env: Hashable = None  # what the env alone decided: one object for one env (memoised),
     # which the options hold parts of (memos keeping them are charged for it once)
+    problems: tuple[tuple[str, str, str], ...] = ()  # (vendor, source, message): env that
+    # only qualifies a grant of the vendor's devices is malformed (EnvAsk.problem)
 
 
 class _EnvPart(Struct, frozen=True):
@@ -180,6 +183,8 @@ class _EnvPart(Struct, frozen=True):
 
     sources: tuple[Source, ...]
     asks: tuple[tuple[str, EnvAsk], ...]  # (family, its reading) where not empty
+    privileged: tuple[tuple[str, str], ...] = ()  # (vendor, source)
+    problems: tuple[tuple[str, str, str], ...] = ()  # (vendor, source, message)
 
 
 def check_bounds(info: ContainerInfo, env_scope: tuple[str, ...] = ENV_PREFIXES) -> None:
@@ -301,10 +306,11 @@ def parse(info: ContainerInfo) -> Parsed:
             options.append((profile.name, settings))
     return Parsed(
         sources=tuple(sources),
-        privileged=tuple(s for _, ask in env.asks for s in ask.privileged),
+        privileged=env.privileged,
         options=tuple(options),
         visible=frozenset(name for name, ask in env.asks if ask.visible),
         env=env if env.sources or env.asks else None,  # None: it decided nothing
+        problems=env.problems,
     )
 
 
@@ -473,6 +479,7 @@ def _read_env_part(env: tuple[str, ...]) -> _EnvPart:
         check_text(v, f"env {k}")
     sources: list[Source] = []
     asks = []
+    privileged, problems = [], []
     for profile in PROFILES:
         ask = profile.read_env(values)
         if ask == NO_ASK:
@@ -482,7 +489,10 @@ def _read_env_part(env: tuple[str, ...]) -> _EnvPart:
         sources.extend(Source(Origin.ENV, s.name, s.claims, s.text,
                               frozenset({vendor}) if s.drivers_only else frozenset())
                        for s in ask.sources)
-    return _EnvPart(tuple(sources), tuple(asks))
+        privileged += ((vendor, s) for s in ask.privileged)
+        if ask.problem:
+            problems.append((vendor, *ask.problem))
+    return _EnvPart(tuple(sources), tuple(asks), tuple(privileged), tuple(problems))
 
 
 _NO_ENV = _EnvPart((), ())

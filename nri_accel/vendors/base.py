@@ -37,7 +37,11 @@ requests (the hot path: pure, memoised by the caller)
       NVIDIA_DRIVER_CAPABILITIES, NVIDIA_REQUIRE_*, NVIDIA_MIG_*; each device request an
       EnvSource of claims (trust is the policy's business, not the family's), each ask
       only a granting source may make listed in `privileged`, the rest of what it read
-      in `options` (hashable: it keys memos). RequestError names the variable.
+      in `options` (hashable: it keys memos). RequestError names the variable of a
+      malformed device request; a malformed variable that only qualifies a grant
+      (NVIDIA_DRIVER_CAPABILITIES, NVIDIA_REQUIRE_*, ...) is the ask's `problem`, which
+      refuses a container granted a device of the family and no other, as the toolkit
+      reads those only for a GPU container.
   option_key, settings(ask, annotation) -> options
       An annotation the family reads with NRI's precedence (NVIDIA: the capabilities
       annotation, which wins over NVIDIA_DRIVER_CAPABILITIES) and how it combines with
@@ -162,6 +166,8 @@ class EnvAsk(Struct, frozen=True):
     privileged: tuple[str, ...] = ()  # sources of asks only a granting origin may make
     options: Hashable = None  # the family's own reading, handed to settings()
     visible: bool = False  # the env sets the family's visibility variable (or implies it)
+    problem: tuple[str, str] = ()  # (source, message): a variable that only qualifies a
+    # grant of the family is malformed; the container is refused where it gets one
 
 
 NO_ASK = EnvAsk()

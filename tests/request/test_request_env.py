@@ -4,7 +4,18 @@ nvidia-docker / aws-neuron semantics. Standalone policy, so env requests grant."
 from __future__ import annotations
 
 import pytest
-from request_testing import CUDA_IMAGE_ENV, MIG0, UUID0, UUID1, claims, nv, nvidia_none, parse
+from request_testing import (
+    CUDA_IMAGE_ENV,
+    KUBERNETES,
+    MIG0,
+    STANDALONE,
+    UUID0,
+    UUID1,
+    claims,
+    nv,
+    nvidia_none,
+    parse,
+)
 
 from nri_accel.errors import PolicyError, RequestError
 from nri_accel.vendors.nvidia import ALL_CAPABILITIES, DEFAULT_CAPABILITIES
@@ -211,7 +222,7 @@ def test_driver_capabilities(env: list[str], caps: set[str], source: str) -> Non
 @pytest.mark.parametrize("value", ["compute,gpu", "COMPUTE", "compute;utility", "none"])
 def test_driver_capabilities_unknown_rejected(value: str) -> None:
     with pytest.raises(RequestError, match="unknown driver capabilities") as err:
-        parse(env=[f"NVIDIA_DRIVER_CAPABILITIES={value}"])
+        parse(env=[f"NVIDIA_DRIVER_CAPABILITIES={value}", "NVIDIA_VISIBLE_DEVICES=0"])
     assert err.value.source == "env NVIDIA_DRIVER_CAPABILITIES"
 
 
@@ -232,7 +243,7 @@ def test_mig_caps(env: list[str], config: bool, monitor: bool) -> None:
 @pytest.mark.parametrize("value", ["0", "0,1", "ALL", " all"])
 def test_mig_caps_other_values_rejected(value: str) -> None:
     with pytest.raises(RequestError, match="only 'all' is supported") as err:
-        parse(env=[f"NVIDIA_MIG_MONITOR_DEVICES={value}"])
+        parse(env=[f"NVIDIA_MIG_MONITOR_DEVICES={value}", "NVIDIA_VISIBLE_DEVICES=all"])
     assert err.value.source == "env NVIDIA_MIG_MONITOR_DEVICES"
     assert not isinstance(err.value, PolicyError)
 
@@ -278,3 +289,48 @@ def test_cuda_image_in_standalone_gets_all_gpus_and_its_requirements() -> None:
 def test_entries_without_equals_are_not_variables() -> None:
     assert parse(env=["NVIDIA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES=2"]).grants[0].ids == (
         "2",)
+
+
+# What only qualifies a GPU grant is read for a container granted one: the toolkit's hook
+# returns "not a GPU container" before it reads capabilities, requirements or the MIG
+# variables (getNvidiaConfig), so such a container starts with plain runc today, and a
+# node's non-GPU containers all come through nri-accel.
+QUALIFIERS = [
+    ("NVIDIA_DRIVER_CAPABILITIES=compute,rootkit", "env NVIDIA_DRIVER_CAPABILITIES"),
+    ("NVIDIA_REQUIRE_CUDA=cuda>=1.0 foo=bar", "env NVIDIA_REQUIRE_CUDA"),
+    ("NVIDIA_MIG_CONFIG_DEVICES=0", "env NVIDIA_MIG_CONFIG_DEVICES"),
+]
+
+
+@pytest.mark.parametrize(("entry", "source"), [*QUALIFIERS, ("CUDA_VERSION=cpu",
+                                                              "env CUDA_VERSION")])
+@pytest.mark.parametrize("visible", ["NVIDIA_VISIBLE_DEVICES=void", "NVIDIA_VISIBLE_DEVICES="])
+def test_a_malformed_qualifier_of_no_grant_is_noted_not_refused(entry: str, source: str,
+                                                                visible: str) -> None:
+    request = parse(env=[entry, visible])
+    assert request.grants == ()
+    assert any(n.startswith(f"{source} not read (") and n.endswith(
+        "no nvidia.com device is granted") for n in request.notes), request.notes
+
+
+@pytest.mark.parametrize(("entry", "source"), QUALIFIERS)
+def test_a_malformed_qualifier_refuses_a_container_granted_a_gpu_whatever_grants_it(
+        entry: str, source: str) -> None:
+    for policy, kwargs in (
+            (STANDALONE, {"env": [entry, "NVIDIA_VISIBLE_DEVICES=0"]}),
+            (STANDALONE, {"env": [entry, "NVIDIA_VISIBLE_DEVICES=none"]}),  # the driver
+            (KUBERNETES, {"env": [entry], "ctr": {"devices.nri-accel.io": "nvidia.com/gpu=0"}})):
+        with pytest.raises(RequestError) as err:
+            parse(policy, **kwargs)
+        assert err.value.source == source
+
+
+def test_a_kubernetes_container_not_granted_a_gpu_is_not_refused_for_its_nvidia_env() -> None:
+    # An untrusted namespace's env grants nothing: neither its MIG capabilities, which
+    # only a granting source may ask, nor a malformed qualifier refuse a container that
+    # gets no GPU; granted one by the device plugin, it is refused for either.
+    for env in (["NVIDIA_MIG_CONFIG_DEVICES=all"], ["NVIDIA_DRIVER_CAPABILITIES=bogus"],
+                ["CUDA_VERSION=cpu"]):
+        assert parse(KUBERNETES, env=env).grants == ()
+        with pytest.raises(RequestError):
+            parse(KUBERNETES, env=env, ctr={"devices.nri-accel.io": "nvidia.com/gpu=0"})

@@ -275,7 +275,7 @@ def test_no_requirements_is_none() -> None:
 def test_request_carries_requirements_and_names_the_variable() -> None:
     assert nv(parse(env=["NVIDIA_REQUIRE_CUDA=cuda>=12"])).requirements is not None
     with pytest.raises(RequestError) as err:
-        parse(env=["NVIDIA_REQUIRE_DRIVER=driver>=abc"])
+        parse(env=["NVIDIA_REQUIRE_DRIVER=driver>=abc", "NVIDIA_VISIBLE_DEVICES=all"])
     assert err.value.source == "env NVIDIA_REQUIRE_DRIVER"
 
 

@@ -205,20 +205,27 @@ class NvidiaProfile(Profile):
 
     def read_env(self, env: Mapping[str, str]) -> EnvAsk:
         visible = _visible_devices(env)
+        sources = (visible,) if visible is not None else ()
+        legacy = legacy_cuda_image(env)
+        shown = ENV_VISIBLE in env or ENV_NV_GPU in env or legacy
         caps = env.get(ENV_CAPABILITIES)
-        options = EnvOptions(
-            capabilities=None if caps is None else (f"env {ENV_CAPABILITIES}", caps),
-            requirements=requirements_from_env(env),
-            legacy=legacy_cuda_image(env),
-            mig_config=_mig_caps(env, ENV_MIG_CONFIG),
-            mig_monitor=_mig_caps(env, ENV_MIG_MONITOR),
-        )
+        try:  # what qualifies a grant: nvidia-container-toolkit reads it for a GPU
+            # container only (getNvidiaConfig returns first where no device is asked)
+            if caps is not None:
+                parse_capabilities(caps, f"env {ENV_CAPABILITIES}")
+            options = EnvOptions(
+                capabilities=None if caps is None else (f"env {ENV_CAPABILITIES}", caps),
+                requirements=requirements_from_env(env),
+                legacy=legacy,
+                mig_config=_mig_caps(env, ENV_MIG_CONFIG),
+                mig_monitor=_mig_caps(env, ENV_MIG_MONITOR),
+            )
+        except RequestError as e:
+            return EnvAsk(sources=sources, visible=shown, problem=(e.source, e.message))
         privileged = tuple(f"env {var}" for var, asked in (
             (ENV_MIG_CONFIG, options.mig_config), (ENV_MIG_MONITOR, options.mig_monitor))
             if asked)
-        return EnvAsk(sources=(visible,) if visible is not None else (),
-                      privileged=privileged, options=options,
-                      visible=ENV_VISIBLE in env or ENV_NV_GPU in env or options.legacy)
+        return EnvAsk(sources=sources, privileged=privileged, options=options, visible=shown)
 
     def read_option(self, value: str, source: str) -> Hashable:
         return parse_capabilities(value, source)
