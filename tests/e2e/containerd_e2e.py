@@ -234,10 +234,14 @@ class CriClient:
         self.sandboxes.append(reply.pod_sandbox_id)
         return reply.pod_sandbox_id, config
 
-    def create_container(self, sandbox_id: str, sandbox_config: Any, name: str) -> str:
+    def create_container(self, sandbox_id: str, sandbox_config: Any, name: str,
+                         annotations: dict[str, str] | None = None) -> str:
+        """`annotations`: the container config's, as kubelet writes a device plugin's
+        Allocate answer there."""
         pb = self.pb2
         config = pb.ContainerConfig(metadata=pb.ContainerMetadata(name=name),
-                                    image=pb.ImageSpec(image=IMAGE), command=["/pause"])
+                                    image=pb.ImageSpec(image=IMAGE), command=["/pause"],
+                                    annotations=annotations or {})
         reply = self.cri.CreateContainer(
             pb.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=config,
                                       sandbox_config=sandbox_config), timeout=RPC_TIMEOUT)

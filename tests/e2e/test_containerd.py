@@ -48,6 +48,8 @@ from containerd_e2e import (
     wait_for,
 )
 
+from nri_accel.config import Config
+from nri_accel.deviceplugin.resources import allocate, resources_from_inventory
 from nri_accel.inventory import Inventory
 
 pytestmark = pytest.mark.slow
@@ -210,6 +212,26 @@ def test_granted_gpu_lands_in_the_oci_spec(node: Node,
     assert spec["annotations"][GRANTED] == f"nvidia.com/gpu={gpu.uuid}"
     created = node.plugin.event("container_created")
     assert created is not None and created["devices"] == ["nvidia.com/gpu=0"]
+
+
+def test_a_device_plugin_grant_in_the_container_config_reaches_the_plugin(node: Node) -> None:
+    """kubelet writes a device plugin's Allocate annotations into the CRI container
+    config, not the pod's. containerd hands them to NRI plugins (its NRI container merges
+    the config's annotations into the spec's), with no runtime allow-list to set."""
+    (gpus, *_), _ = resources_from_inventory(Inventory.load(DEMO_INVENTORY), Config())
+    assert gpus.name == "nvidia.com/gpu"
+    device = gpus.devices[1]  # the id kubelet lists and hands to Allocate: the UUID
+    answer = allocate(gpus, [device.id])
+    sandbox_id, sandbox_config = node.run_pod("kubelet-pod", {})
+    container_id = node.create_container(sandbox_id, sandbox_config, "cuda",
+                                         annotations=dict(answer.annotations))
+    spec = node.containerd.container_spec(container_id)
+    devices = {d["path"] for d in spec["linux"].get("devices", [])}
+    assert {"/dev/nvidia1", "/dev/nvidiactl"} <= devices and "/dev/nvidia0" not in devices
+    env = dict(e.partition("=")[::2] for e in spec["process"]["env"])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == device.id
+    assert spec["annotations"][GRANTED] == f"nvidia.com/gpu={device.id}"
+    node.remove_pod(sandbox_id)
 
 
 def test_malformed_annotation_fails_create_container(node: Node) -> None:
