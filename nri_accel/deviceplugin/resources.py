@@ -61,10 +61,11 @@ from nri_accel.topology import Topology, choose
 from nri_accel.vendors import PROFILES, family_of, parent_of
 
 __all__ = [
-    "HEALTHY", "MAX_CONTAINER_REQUESTS", "MAX_DEVICE_ID", "UNHEALTHY", "Grant",
-    "PluginDevice", "Resource", "allocate", "check_healthy", "extended_resource_name_error",
-    "grant_annotation_key", "preferred_allocation", "request_size_problem",
-    "resources_from_inventory", "shown_id", "shown_ids",
+    "HEALTHY", "KUBELET_MAX_MESSAGE", "MAX_CONTAINER_REQUESTS", "MAX_DEVICE_ID", "UNHEALTHY",
+    "Grant", "PluginDevice", "Resource", "allocate", "check_healthy",
+    "extended_resource_name_error", "grant_annotation_key", "listed_bytes",
+    "preferred_allocation", "request_size_problem", "resources_from_inventory", "shown_id",
+    "shown_ids",
 ]
 
 HEALTHY = "Healthy"
@@ -73,6 +74,10 @@ MAX_DEVICE_ID = 63  # kubelet's limit on a device ID
 # Container requests in one Allocate or GetPreferredAllocation: kubelet sends one (it
 # allocates container by container); each costs a log line, so more is refused.
 MAX_CONTAINER_REQUESTS = 16
+KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
+"""The longest message kubelet takes from a device plugin, a ListAndWatch answer
+included: grpc-go's default, which its client keeps. One longer ends the stream, and
+kubelet drops the resource (kubernetes#109304) until the plugin registers again."""
 _SHOWN_ID = 80  # characters of a device ID quoted in a message or log line
 _SHOWN_IDS = 8  # device IDs quoted from a list
 
@@ -225,8 +230,40 @@ def resources_from_inventory(
                     links=() if replicas > 1 else tuple(ids[p] for p in peers),
                     cdi_name=d.qualified_name if cdi else "",
                 ))
+        size = listed_bytes(plugin_devices)
+        if size > KUBELET_MAX_MESSAGE:  # kubelet would drop it once the plugin fails closed
+            problems.append(Problem(name, (
+                f"not advertised to kubelet: its {len(plugin_devices)} device IDs list in "
+                f"{size} bytes with every device {UNHEALTHY} (as when `run` is away), over "
+                f"the {KUBELET_MAX_MESSAGE} kubelet reads of one message: advertise fewer "
+                "replicas")))
+            continue
         resources.append(Resource(name, tuple(plugin_devices), replicas))
     return tuple(resources), tuple(problems)
+
+
+def listed_bytes(devices: Iterable[PluginDevice]) -> int:
+    """The size of a ListAndWatch answer listing `devices`, each Unhealthy (the longer
+    health: what a plugin failing closed sends), as protobuf encodes it
+    (api/deviceplugin.proto: ListAndWatchResponse.devices = 1, Device.ID = 1, health = 2,
+    topology = 3, TopologyInfo.nodes = 1, NUMANode.ID = 1, a varint left out when 0)."""
+    total = 0
+    for d in devices:
+        inner = _field(len(d.id.encode())) + _field(len(UNHEALTHY))
+        if d.numa_node is not None:
+            node = 1 + _varint_bytes(d.numa_node) if d.numa_node else 0
+            inner += _field(_field(node))
+        total += _field(inner)
+    return total
+
+
+def _field(n: int) -> int:
+    """Bytes of a length-delimited field of `n` bytes: its tag, its length, the bytes."""
+    return 1 + _varint_bytes(n) + n
+
+
+def _varint_bytes(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
 
 
 def _replica_suffix(replicas: int, n: int) -> str:

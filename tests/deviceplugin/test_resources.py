@@ -12,13 +12,16 @@ from msgspec.structs import replace
 from nri_accel.config import Config, DevicePluginConfig, DevicesConfig
 from nri_accel.container import ContainerInfo
 from nri_accel.deviceplugin.resources import (
+    KUBELET_MAX_MESSAGE,
+    PluginDevice,
     Resource,
     allocate,
     extended_resource_name_error,
+    listed_bytes,
     preferred_allocation,
     resources_from_inventory,
 )
-from nri_accel.deviceplugin.server import advertised
+from nri_accel.deviceplugin.server import _device_list, advertised
 from nri_accel.errors import AllocationError, NotFoundError, RequestError
 from nri_accel.inventory import Device, Inventory
 from nri_accel.policy import Policy
@@ -159,6 +162,33 @@ def test_replica_ids_over_63_characters_are_not_advertised() -> None:
     assert f"device ID '{name}::10' is longer than 63" in problems[0].message
     assert _served(inv, _settings(replicas=(("acme.example/npu", 10),)))[
         "acme.example/npu"][-1] == name + "::9"
+
+
+def test_the_listed_size_is_the_answer_protobuf_encodes_failing_closed() -> None:
+    # listed_bytes() counts what _device_list() sends with every device Unhealthy: NUMA
+    # nodes absent, 0 (a varint protobuf leaves out), small and large, IDs of any length.
+    devices = tuple(PluginDevice(id=name, qualified_name="", numa_node=numa)
+                    for name in ("a", "GPU-" + "f" * 36, "x" * 63, "é" * 20)
+                    for numa in (None, 0, 1, 127, 128, 300, 1 << 40))
+    resource = Resource("acme.example/npu", devices, 1)
+    assert listed_bytes(devices) == _device_list(resource, closed=True).ByteSize()
+    assert listed_bytes(devices) > _device_list(resource, closed=False).ByteSize()
+
+
+def test_a_resource_kubelet_could_not_read_failing_closed_is_not_advertised() -> None:
+    # 16 Trainium2 devices of 8 NeuronCores each, 1024 replicas a core: 131,072 IDs that
+    # fit kubelet's 4 MiB while Healthy, not once every one is Unhealthy (`run` away),
+    # when kubelet would drop the stream and the resource with it.
+    inv = Inventory(devices=tuple(Device("acme.example/npu", f"neuron{i}-core{j}")
+                                  for i in range(16) for j in range(8)))
+    resources, problems = resources_from_inventory(
+        inv, _settings(replicas=(("acme.example/npu", 1024),)))
+    assert resources == ()
+    assert problems[0].source == "acme.example/npu"
+    assert "131072 device IDs list in" in problems[0].message
+    assert f"over the {KUBELET_MAX_MESSAGE} kubelet reads" in problems[0].message
+    (fewer,), _ = resources_from_inventory(inv, _settings(replicas=(("acme.example/npu", 512),)))
+    assert listed_bytes(fewer.devices) <= KUBELET_MAX_MESSAGE
 
 
 def test_two_kinds_renamed_into_one_resource_keep_their_ids_apart() -> None:
