@@ -341,6 +341,23 @@ def test_h100_driver_root(fake_root: FakeRoot) -> None:
     assert not [c for c in drv.capabilities if c.startswith("compat32")]
 
 
+def test_a_compute_library_versioned_apart_from_the_driver_is_mounted_by_its_soname(
+        fake_root: FakeRoot) -> None:
+    # R575 and later: libnvidia-nvvm70.so.4, which CUDA's JIT loads for code built
+    # before CUDA 12, carries no driver version in its name; found where the loader
+    # would find it, and mounted as its soname with the compute capability only
+    root = fake_root("h100")
+    dr = "/run/nvidia/driver"
+    Path(root.local(f"{dr}{X86}/libnvidia-nvvm70.so.4")).write_bytes(b"")
+    drv = driver(discover_nvidia(root))
+    assert mounts(drv, "compute")[f"{LIB}/libnvidia-nvvm70.so.4"] == \
+        f"{dr}{X86}/libnvidia-nvvm70.so.4"
+    assert f"{LIB}/libnvidia-nvvm70.so.4" not in mounts(drv, "utility")
+    # a driver without it: nothing in its place
+    assert not [k for k in mounts(driver(discover_nvidia(fake_root("a100-mig"))), "compute")
+                if "nvvm70" in k]
+
+
 # ---- absent or failing NVML ------------------------------------------------------------
 
 

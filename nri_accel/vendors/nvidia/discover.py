@@ -147,6 +147,11 @@ COMPUTE_LIBS = (
     "libnvidia-compiler.so", "libnvidia-pkcs11.so", "libnvidia-pkcs11-openssl3.so",
     "libnvidia-nvvm.so", "libnvidia-tileiras.so",
 )
+# Compute libraries versioned apart from the driver, found by their soname: R575's
+# libnvidia-nvvm70.so.4, the link-time optimiser CUDA's JIT loads for code built before
+# CUDA 12 ("PTX JIT compiler library not found" without it; nvidia-container-toolkit
+# mounts it by name as well).
+COMPUTE_SONAMES = ("libnvidia-nvvm70.so.4",)
 VIDEO_LIBS = ("libvdpau_nvidia.so", "libnvidia-encode.so", "libnvidia-opticalflow.so",
               "libnvcuvid.so")
 GRAPHICS_LIBS = (
@@ -655,6 +660,10 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
                                  f"{lib_dir}/{locator.soname_of(path)}"))
         return out
 
+    def by_soname(sonames: Iterable[str]) -> list[Mount]:
+        return [Mount(locator.host_path(path), f"{LIB_DIR}/{soname}")
+                for soname in sonames if (path := locator.find_soname(soname)) is not None]
+
     def bins(names: Iterable[str]) -> list[Mount]:
         return [Mount(locator.host_path(p), f"{BIN_DIR}/{n}")
                 for n in names if (p := locator.find_binary(n)) is not None]
@@ -709,17 +718,14 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         return tuple(n for n in maybe if n is not None)
 
     firmware = _firmware(locator, version)
-    compute_libs = libs(COMPUTE_LIBS, locator.arch, LIB_DIR)
+    compute_libs = [*libs(COMPUTE_LIBS, locator.arch, LIB_DIR), *by_soname(COMPUTE_SONAMES)]
     cuda = locator.find_versioned("libcuda.so", version, locator.arch)  # one of compute_libs
     if cuda is None:
         scan.problems.append(Problem(VENDOR, (
             f"libcuda.so.{version} not found under driver root {locator.root.driver_root}: "
             "the compute capability cannot run CUDA")))
     vulkan = (*VULKAN_CONFIGS, *filter(None, [VULKAN_ARCH_ICD.get(locator.arch.name)]))
-    platforms = [Mount(locator.host_path(path), f"{LIB_DIR}/{soname}")
-                 for soname in EGL_PLATFORM_SONAMES
-                 if (path := locator.find_soname(soname)) is not None]
-    graphics = (*libs(GRAPHICS_LIBS, locator.arch, LIB_DIR), *platforms,
+    graphics = (*libs(GRAPHICS_LIBS, locator.arch, LIB_DIR), *by_soname(EGL_PLATFORM_SONAMES),
                 *configs(GRAPHICS_CONFIGS), *configs(vulkan, VULKAN_DIR),
                 *_xorg_modules(locator, version, cuda))
     uvm = nodes(
