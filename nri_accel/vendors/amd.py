@@ -54,11 +54,15 @@ Facts it relies on (sources: repository + path):
   was reverted). So partitions are the GPU nodes sharing a domain, a bus and a nonzero
   unique_id; their GPU's PCI address is the AND of their location_ids (partition 0's,
   which always exists: it is the GPU's own DRM device), and each one's index is what
-  its location_id adds to it, or its bits 31:28. A partition has no UUID (ROCr's is
-  the GPU's), answers to neither shared id, and is named for what stays true of it,
-  its GPU's PCI address and its index (Device.partition: "0000:11:00.0-p3", its key and
-  its device-plugin ID) while the mode stays; a new mode makes new devices, as a MIG
-  reconfiguration does. ROCm's device plugin IDs partitions by the PCI address
+  its location_id adds to it, or its bits 31:28. From Linux 6.18 ("drm/amdkfd: set
+  uuid for each partition in topology") a partition's unique_id is its first XCD's,
+  one of its own: partitions are then the nodes whose location_id names a PCI function
+  that is not there (function 0 of the slot is their GPU's), or one PCI function for
+  several nodes (_apart). Before it, a partition has no UUID (ROCr's is the GPU's),
+  answers to neither shared id, and is named for what stays true of it, its GPU's PCI
+  address and its index (Device.partition: "0000:11:00.0-p3", its key and its
+  device-plugin ID) while the mode stays; from it, by its own UUID. A new mode makes
+  new devices, as a MIG reconfiguration does. ROCm's device plugin IDs partitions by the PCI address
   (partition 0) and the amdgpu_xcp_<N> platform device name (the others), whose N is a
   counter over every GPU in probe order (ROCm/k8s-device-plugin internal/pkg/amdgpu/
   amdgpu.go, GetAMDGPUs): not what stays true of one partition, so not used here.
@@ -83,7 +87,7 @@ from __future__ import annotations
 import operator
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import reduce
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -161,7 +165,8 @@ def discover(root: HostRoot) -> Found:
     if not root.exists(topo) and not module_loaded:
         return Found()  # no amdgpu here (a /dev/kfd alone may be a CDI spec's node)
 
-    gpus = _partitioned(_snapshot(root, problems))
+    gpus = _partitioned(_snapshot(root, problems), lambda key: root.exists(
+        root.sys_path(f"bus/pci/devices/{format_pci_bus_id(key)}")))
     if not root.exists(topo):
         problems.append(Problem(topo, "missing: amdkfd is not initialised, no GPU is usable "
                                 "for compute"))
@@ -257,18 +262,21 @@ def _read_nodes(root: HostRoot, problems: list[Problem]) -> list[_GpuNode]:
     return gpus
 
 
-def _partitioned(gpus: list[_GpuNode]) -> list[_GpuNode]:
+def _partitioned(gpus: list[_GpuNode],
+                 is_function: Callable[[tuple[int, int, int, int]], bool]) -> list[_GpuNode]:
     """`gpus` with the compute partitions of each GPU told apart: the GPU nodes sharing
     a domain, a bus and a nonzero unique_id get their GPU's PCI function and their
-    index in it (see the module docstring). Should a GPU's location_ids not tell its
-    partitions apart (no kernel writes that), they are numbered by render minor, the
-    order amdgpu creates them in."""
+    index in it (see the module docstring), and so do those _apart() finds of a kernel
+    that gives each partition a unique_id of its own. Should a GPU's location_ids not
+    tell its partitions apart (no kernel writes that), they are numbered by render
+    minor, the order amdgpu creates them in. `is_function`: whether a PCI function is
+    there (sysfs)."""
     groups: dict[tuple[int, ...], list[_GpuNode]] = {}
     for g in gpus:
         key = (g.bus_key[0], g.bus_key[1], g.unique_id) if g.unique_id else g.bus_key
         groups.setdefault(key, []).append(g)
     out = []
-    for members in groups.values():
+    for members in _apart(list(groups.values()), is_function):
         if len(members) == 1:
             out += members
             continue
@@ -282,6 +290,28 @@ def _partitioned(gpus: list[_GpuNode]) -> list[_GpuNode]:
         out += [replace(m, bus_key=bus, partition=n)
                 for m, n in zip(members, index, strict=True)]
     return out
+
+
+def _apart(groups: list[list[_GpuNode]],
+           is_function: Callable[[tuple[int, int, int, int]], bool]) -> list[list[_GpuNode]]:
+    """`groups` with the partitions that a unique_id of their own kept apart put
+    together again: from Linux 6.18 (drm/amdkfd, "set uuid for each partition in
+    topology") a partition's unique_id is that of its first XCD, not its GPU's, so each
+    partition of a GPU is a group of its own above. A lone node is one GPU's partition
+    where its location_id names a PCI function that is not there (pci_dev_id |
+    node_id: function 0 of its slot is the GPU's), or names the PCI function another
+    lone node names (node_id << 28): no two GPUs are one PCI function."""
+    homes: dict[tuple[int, int, int, int], list[_GpuNode]] = {}
+    out = []
+    for members in groups:
+        if len(members) > 1:
+            out.append(members)
+            continue
+        (g,) = members
+        d, bus, dev, fn = g.bus_key
+        home = g.bus_key if fn == 0 or is_function(g.bus_key) else (d, bus, dev, 0)
+        homes.setdefault(home, []).append(g)
+    return out + list(homes.values())
 
 
 def _parse_properties(text: str, source: str, problems: list[Problem]) -> dict[str, int]:

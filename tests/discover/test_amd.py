@@ -222,6 +222,38 @@ def test_compute_partitions_are_told_apart_by_their_index_in_the_gpu(tmp_path: P
     assert amd.PROFILE.partition(whole, None) == ""
 
 
+@pytest.mark.parametrize("shift", [0, 28])
+def test_partitions_with_a_unique_id_each_are_still_their_gpus(tmp_path: Path,
+                                                               shift: int) -> None:
+    """Linux 6.18 on: each partition's unique_id is its first XCD's, not its GPU's. The
+    partitions are still told by their location_ids, which name their GPU's PCI
+    function (bits 31:28) or functions that are not there (pci_dev_id | node_id), never
+    GPUs of their own at 0000:11:00.1-3."""
+    tree = _tree(tmp_path, 0)
+    for p in range(4):
+        _gpu(tree, 1 + p, 0x11, 128 + p, uid=0xA00 + p, location_id=0x11 << 8 | p << shift)
+    _gpu(tree, 5, 0x2F, 132, uid=0xDEF)  # a whole GPU beside them
+    tree.file("/sys/bus/pci/devices/0000:11:00.0/numa_node", "1\n")
+    found = amd.discover(tree.root)
+    assert found.problems == ()
+    parts, whole = found.devices[:4], found.devices[4]
+    assert [(d.pci_bus_id, d.partition, d.numa_node) for d in parts] == [
+        ("0000:11:00.0", p, 1) for p in range(4)]
+    assert [amd.PROFILE.partition(d, None) for d in parts] == [
+        f"partition {p} of 0000:11:00.0" for p in range(4)]
+    assert (whole.pci_bus_id, whole.partition) == ("0000:2f:00.0", None)
+
+
+def test_gpus_at_two_functions_of_one_slot_stay_two_gpus(tmp_path: Path) -> None:
+    # function 1 is there (sysfs): a GPU of its own, not a partition of function 0's
+    tree = _tree(tmp_path, 0)
+    _gpu(tree, 1, 0x11, 128, uid=0xA00)
+    _gpu(tree, 2, 0x11, 129, uid=0xB00, fn=1)
+    found = amd.discover(tree.root)
+    assert [(d.pci_bus_id, d.partition) for d in found.devices] == [
+        ("0000:11:00.0", None), ("0000:11:00.1", None)]
+
+
 def test_partitions_keep_their_ids_when_the_kfd_order_or_the_render_minors_change(
         tmp_path: Path) -> None:
     """What names a partition is its GPU's address and its index, never the KFD node
