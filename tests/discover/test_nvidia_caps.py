@@ -120,6 +120,31 @@ def test_missing_dev_char_links_are_created_only_when_allowed(fake_root: FakeRoo
     assert os.readlink(root.local("/dev/char/195:1")) == "../nvidia1"
 
 
+def test_a_missing_uvm_node_of_a_loaded_driver_is_granted_and_made_only_when_allowed(
+        fake_root: FakeRoot) -> None:
+    # nvidia-uvm loaded (/proc/devices lists its major, 509) but no /dev/nvidia-uvm yet,
+    # which CUDA cannot start without: nvidia-modprobe -u makes it, and so does
+    # libnvidia-container on every container start. Granted as char 509:0 (the runtime
+    # makes it in the container), and made on the host with create_device_nodes.
+    root = fake_root("h100")
+    os.unlink(root.local("/dev/nvidia-uvm"))
+    os.unlink(root.local("/dev/char/509:0"))
+    found = discover_nvidia(root)
+    (compute,) = [found.drivers[0].capabilities["compute"]]
+    assert [(n.path, n.major, n.minor, n.file_mode) for n in compute.device_nodes] == [
+        ("/dev/nvidia-uvm", 509, 0, 0o666), ("/dev/nvidia-uvm-tools", 509, 1, 0o666)]
+    assert problems(found)["/dev/nvidia-uvm"].startswith(
+        "missing: /dev/nvidia-uvm (compute) is granted anyway as char 509:0")
+    assert "nvidia-modprobe -u -c=0" in problems(found)["/dev/nvidia-uvm"]
+    assert not os.path.lexists(root.local("/dev/nvidia-uvm"))
+    made = discover_nvidia(root, create_device_nodes=True)
+    st = os.lstat(root.local("/dev/nvidia-uvm"))
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(509, 0)
+    assert os.readlink(root.local("/dev/char/509:0")) == "../nvidia-uvm"
+    assert made.problems == ()
+    assert made.drivers[0].capabilities["compute"].device_nodes == compute.device_nodes
+
+
 def test_a_wrong_link_is_reported_never_replaced(fake_root: FakeRoot) -> None:
     root = fake_root("h100")
     os.unlink(root.local("/dev/char/195:1"))

@@ -72,9 +72,11 @@ non-device refused with a Problem (and left out), never followed. A node whose
 /dev/char/<major>:<minor> link is missing is reported (runc's systemd cgroup driver
 needs it). NVML absent or failing: Found with one Problem, other vendors unaffected.
 
-nvidia-caps nodes are the exception: the driver creates them only on demand
-(nvidia-modprobe -f <capability file>, which CUDA runs when it first opens a MIG
-device), so on a freshly booted node they are often missing. A missing one is granted
+nvidia-caps nodes are the exception, and /dev/nvidia-uvm of a loaded nvidia-uvm (its
+major in /proc/devices): the driver creates them only on demand (nvidia-modprobe -f
+<capability file>, which CUDA runs when it first opens a MIG device; nvidia-modprobe
+-u, which libnvidia-container runs on every container start), so on a freshly booted
+node they are often missing. A missing one is granted
 anyway, as a DeviceNode built from its type, major and minor (the runtime creates the
 node inside the container; it needs no host node), with a Problem saying so: a
 container in a user namespace (runc bind-mounts device nodes there) and runc's systemd
@@ -431,30 +433,46 @@ class _Scan(Struct):
             self.problems.append(Problem("/proc/devices", (
                 f"no nvidia-caps character device major: {what} is left out")))
             return None
-        name = f"{CAPS_DIR}/nvidia-cap{minor}"
-        host = self.root.dev_path(name)
         mode = fields.get("DeviceFileMode")
-        if self.root.exists(host) or (
-                self.create and self._create_cap_node(host, major, minor, mode, what)):
+        return self._made_node(f"{CAPS_DIR}/nvidia-cap{minor}", major, minor,
+                               0o666 if mode is None else stat.S_IMODE(mode), what=what,
+                               fix=f"nvidia-modprobe -f {proc_path}")
+
+    def driver_node(self, name: str, driver: str, minor: int, *,
+                    what: str) -> DeviceNode | None:
+        """/dev/<name>, minor `minor` of the major /proc/devices gives `driver`
+        (nvidia-uvm's 0, which nvidia-modprobe -u makes and libnvidia-container makes on
+        every container start, as nri-accel does not): the host's node (node()), else,
+        while the driver is loaded, the node _made_node() grants."""
+        major = char_major(self.root, driver)
+        if major is None or self.root.exists(self.root.dev_path(name)):
             return self.node(name, expect=(major, minor), what=what)
+        return self._made_node(name, major, minor, 0o666, what=what,
+                               fix=f"nvidia-modprobe -u -c={minor}")
+
+    def _made_node(self, name: str, major: int, minor: int, perm: int, *, what: str,
+                   fix: str) -> DeviceNode | None:
+        """/dev/<name>, char `major`:`minor`: the host's node, created first with `perm`
+        when the host lacks it and `create`, else granted anyway as that device, which
+        the runtime creates in the container, with a Problem saying what `fix` makes."""
+        host = self.root.dev_path(name)
+        if self.root.exists(host) or (
+                self.create and self._create_node(host, major, minor, perm, what)):
+            return self.node(name, expect=(major, minor), what=what)  # never replaced
         if not self.create:  # (a failed creation is reported already)
             self.problems.append(Problem(host, (
                 f"missing: {what} is granted anyway as char {major}:{minor}, which the "
                 "runtime creates in the container; user-namespace containers need the "
                 "host node and runc's systemd cgroup driver "
-                f"/dev/char/{major}:{minor} (nvidia-modprobe -f {proc_path}, or "
+                f"/dev/char/{major}:{minor} ({fix}, or "
                 "[discovery] create_device_nodes = true)")))
         path = "/dev/" + name
         return DeviceNode(path=path, major=major, minor=minor, type="c",
-                          host_path="" if host == path else host,
-                          file_mode=None if mode is None else stat.S_IMODE(mode))
+                          host_path="" if host == path else host, file_mode=perm)
 
-    def _create_cap_node(self, host: str, major: int, minor: int, mode: int | None,
-                         what: str) -> bool:
-        """mknod the nvidia-caps node as nvidia-modprobe does: /dev/nvidia-caps 0755, the
-        node with the DeviceFileMode of its capability file (0666, as nvidia-ctk, where
-        the file gives none)."""
-        perm = 0o666 if mode is None else stat.S_IMODE(mode)
+    def _create_node(self, host: str, major: int, minor: int, perm: int, what: str) -> bool:
+        """mknod a driver's node as nvidia-modprobe does: its directory 0755, the node with
+        `perm` (a capability file's DeviceFileMode, else 0666 as nvidia-ctk)."""
         try:
             self.root.makedirs(posixpath.dirname(host), 0o755)
             self.root.mknod_char(host, major, minor, perm)
@@ -729,7 +747,7 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
                 *configs(GRAPHICS_CONFIGS), *configs(vulkan, VULKAN_DIR),
                 *_xorg_modules(locator, version, cuda))
     uvm = nodes(
-        scan.node("nvidia-uvm", what="/dev/nvidia-uvm (compute)"),
+        scan.driver_node("nvidia-uvm", "nvidia-uvm", 0, what="/dev/nvidia-uvm (compute)"),
         scan.node("nvidia-uvm-tools", what="/dev/nvidia-uvm-tools (compute)", required=False),
     )
     compute_core = ContainerEdits(device_nodes=uvm, mounts=(
