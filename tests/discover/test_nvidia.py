@@ -358,6 +358,33 @@ def test_a_compute_library_versioned_apart_from_the_driver_is_mounted_by_its_son
                 if "nvvm70" in k]
 
 
+def test_gsp_firmware_is_found_where_the_kernel_looks_for_it(fake_root: FakeRoot) -> None:
+    # the firmware_class.path parameter first (COS sets one), then /lib/firmware/updates
+    # and /lib/firmware, each with the running kernel's release and without: every file
+    # found, mounted where it was found, where the kernel looks in the container
+    root = fake_root("h100")
+    dr, v = "/run/nvidia/driver", "570.124.06"
+    Path(root.local("/sys/module/firmware_class/parameters")).mkdir(parents=True)
+    Path(root.local("/sys/module/firmware_class/parameters/path")).write_text(
+        "/var/lib/nvidia/firmware\n")
+    Path(root.local("/proc/sys/kernel")).mkdir(parents=True, exist_ok=True)
+    Path(root.local("/proc/sys/kernel/osrelease")).write_text("6.8.0-49-generic\n")
+    for where in ("/var/lib/nvidia/firmware", "/usr/lib/firmware/updates/6.8.0-49-generic"):
+        fw = Path(root.local(f"{dr}{where}/nvidia/{v}"))
+        fw.mkdir(parents=True)
+        (fw / "gsp_gb10x.bin").write_bytes(b"")
+    firmware = {k: h for k, h in mounts(driver(discover_nvidia(root)), "").items()
+                if "firmware" in k}
+    assert firmware == {
+        f"/var/lib/nvidia/firmware/nvidia/{v}/gsp_gb10x.bin":
+            f"{dr}/var/lib/nvidia/firmware/nvidia/{v}/gsp_gb10x.bin",
+        f"/lib/firmware/updates/6.8.0-49-generic/nvidia/{v}/gsp_gb10x.bin":
+            f"{dr}/usr/lib/firmware/updates/6.8.0-49-generic/nvidia/{v}/gsp_gb10x.bin",
+        **{f"/lib/firmware/nvidia/{v}/{n}": f"{dr}/usr/lib/firmware/nvidia/{v}/{n}"
+           for n in ("gsp_ga10x.bin", "gsp_tu10x.bin")},
+    }
+
+
 # ---- absent or failing NVML ------------------------------------------------------------
 
 

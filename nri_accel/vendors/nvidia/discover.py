@@ -106,7 +106,13 @@ from msgspec import Struct
 from nri_accel.discover import nvml
 from nri_accel.discover.base import Found, lstat_device
 from nri_accel.discover.hostroot import HostRoot
-from nri_accel.discover.kernel import MAX_UINT, char_major, parse_uint, pci_numa_node
+from nri_accel.discover.kernel import (
+    MAX_UINT,
+    char_major,
+    parse_uint,
+    pci_numa_node,
+    read_stripped,
+)
 from nri_accel.discover.ldcache import ARCHES, COMPAT32, Arch, Locator
 from nri_accel.discover.probe import State, entries, file_state
 from nri_accel.errors import DiscoveryError
@@ -138,6 +144,12 @@ PROC_CAPS = "/proc/driver/nvidia/capabilities"
 MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
 CAPS_DIR = "nvidia-caps"  # under /dev
 IPC_OPTIONS = ("ro", "nosuid", "nodev", "noexec", "bind")
+# The kernel's firmware search (drivers/base/firmware_loader/main.c, fw_path), after
+# the firmware_class.path parameter; {release}: the running kernel's
+FIRMWARE_DIRS = ("/lib/firmware/updates/{release}", "/lib/firmware/updates",
+                 "/lib/firmware/{release}", "/lib/firmware")
+FIRMWARE_CLASS_PATH = "module/firmware_class/parameters/path"  # under /sys
+OS_RELEASE = "/proc/sys/kernel/osrelease"
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -845,18 +857,29 @@ _DRM_NODE_RE = re.compile(r"(card|renderD)([0-9]{1,6})")
 
 
 def _firmware(locator: Locator, version: str) -> list[Mount]:
-    """GSP firmware files /lib/firmware/nvidia/<version>/gsp*.bin."""
-    fw_dir = f"/lib/firmware/nvidia/{version}"
-    resolved_dir = locator.resolve(fw_dir)
-    if resolved_dir is None:
-        return []
-    out = []
-    for n in locator.listdir(resolved_dir):
-        if n.startswith("gsp") and n.endswith(".bin"):
-            path = locator.regular_file(f"{resolved_dir}/{n}")
-            if path is not None:
-                out.append(Mount(locator.host_path(path), f"{fw_dir}/{n}"))
-    return out
+    """GSP firmware files nvidia/<version>/gsp*.bin of each directory the kernel's
+    firmware loader searches, in the driver root, each mounted where it was found (the
+    kernel looks there, in the mount namespace of whoever opens the GPU first): the
+    firmware_class.path module parameter where it is set (COS sets one), then
+    FIRMWARE_DIRS, as nvidia-container-toolkit searches them."""
+    root = locator.root
+    custom = read_stripped(root, root.sys_path(FIRMWARE_CLASS_PATH)) or ""
+    release = read_stripped(root, OS_RELEASE) or ""
+    dirs = [custom] if custom.startswith("/") else []
+    dirs += [d.format(release=release) for d in FIRMWARE_DIRS if release or "{" not in d]
+    out: dict[str, Mount] = {}
+    for base in dirs:
+        fw_dir = posixpath.normpath(f"{base}/nvidia/{version}")
+        resolved_dir = locator.resolve(fw_dir)
+        if resolved_dir is None:
+            continue
+        for n in locator.listdir(resolved_dir):
+            if n.startswith("gsp") and n.endswith(".bin"):
+                path = locator.regular_file(f"{resolved_dir}/{n}")
+                if path is not None:
+                    out.setdefault(f"{fw_dir}/{n}", Mount(locator.host_path(path),
+                                                          f"{fw_dir}/{n}"))
+    return list(out.values())
 
 
 def _sorted(edits: ContainerEdits) -> ContainerEdits:
