@@ -133,6 +133,12 @@ MAX_CORES = 64
 MAX_INDEX = 999_999  # a neuron device index (neuronN, connected_devices)
 _ARCH_FILES = (("arch", "arch_type"), ("name", "device_name"),
                ("instance_type", "instance_type"))
+LOGICAL_ARCHES = frozenset({"v3"})
+"""Neuron architectures (arch_type) whose runtime numbers NeuronCores in logical cores:
+Trainium2, whose NEURON_LOGICAL_NC_CONFIG (2 by default, a container's own choice) makes
+one logical core of two of the 8 the driver counts (core_count), and whose
+NEURON_RT_VISIBLE_CORES counts the logical ones. Their cores are not numbered here
+(counted_cores), so not offered: a number would name another device's cores."""
 
 
 class NeuronProfile(Profile):
@@ -168,7 +174,7 @@ class NeuronProfile(Profile):
         for d in inventory.of_kind(KIND):
             if d.attributes.get("health") == VANISHED:
                 continue
-            n = kernel.parse_uint(d.attributes.get("cores", ""), maximum=MAX_CORES)
+            n = counted_cores(d)
             if n is None:
                 break  # numbering unknown from here on
             cores[d.qualified_name] = (first, n)
@@ -283,6 +289,14 @@ def discover_neuron(root: HostRoot) -> Found:
         for i, node, attributes, links in found
     )
     devices += _cores(devices)
+    logical = sorted({d.attributes.get("name") or d.attributes["arch"] for d in devices
+                      if d.attributes.get("arch") in LOGICAL_ARCHES})
+    if logical:
+        problems.append(Problem(VENDOR, (
+            f"NeuronCores of {', '.join(logical)} are not offered, and a whole device's grant "
+            f"sets no {ENV_CORES}: its runtime counts logical cores "
+            "(NEURON_LOGICAL_NC_CONFIG), which nri-accel does not number yet; grant whole "
+            "devices")))
 
     version = kernel.read(root, root.sys_path(f"{MODULE_DIR}/version"))
     if version is None:
@@ -303,13 +317,22 @@ def core_id(device: str, core: int) -> str:
     return f"neuron{device}-core{core}"
 
 
+def counted_cores(device: Device) -> int | None:
+    """How many of the runtime's NeuronCores the Neuron device `device` holds, as
+    NEURON_RT_VISIBLE_CORES counts them; None where that is not known: no core count, or
+    an architecture whose runtime counts logical cores (LOGICAL_ARCHES)."""
+    if device.attributes.get("arch") in LOGICAL_ARCHES:
+        return None
+    return kernel.parse_uint(device.attributes.get("cores", ""), maximum=MAX_CORES)
+
+
 def _cores(devices: Sequence[Device]) -> tuple[Device, ...]:
     """The NeuronCores of `devices` (in index order), numbered node-wide; none from the
-    first device whose core count is unknown."""
+    first device whose cores are not counted (counted_cores)."""
     out = []
     first = 0
     for d in devices:
-        count = kernel.parse_uint(d.attributes.get("cores", ""), maximum=MAX_CORES)
+        count = counted_cores(d)
         if count is None:
             break
         n = str(count)

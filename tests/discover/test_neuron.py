@@ -292,3 +292,26 @@ def test_device_order_is_natural_not_lexical(tmp_path: Path) -> None:
     assert [d.name for d in whole(found)] == [str(i) for i in range(12)]
     assert whole(found)[0].links[-2:] == ("10", "11")
     assert [c.name for c in cores(found)][-3:] == ["21", "22", "23"]
+
+
+def test_trainium2s_logical_cores_are_not_numbered_and_a_device_grant_names_none(
+        tmp_path: Path) -> None:
+    """Trainium2 (arch_type v3): the driver counts 8 cores a device, its runtime 4 by
+    default (NEURON_LOGICAL_NC_CONFIG=2), and NEURON_RT_VISIBLE_CORES counts the latter:
+    no core is offered (a number would name another device's), a whole device's grant
+    sets no NEURON_RT_VISIBLE_CORES (its runtime uses the devices it is given), and a
+    Problem says so."""
+    tree = _tree(tmp_path, 2)
+    for i in range(2):
+        tree.file(f"{SYSFS}/neuron{i}/core_count", "8")
+        tree.file(f"{SYSFS}/neuron{i}/info/architecture/arch_type", "v3\n")
+        tree.file(f"{SYSFS}/neuron{i}/info/architecture/device_name", "Trainium2\n")
+    found = discover_neuron(tree.root)
+    assert cores(found) == []
+    assert [d.attributes["cores"] for d in whole(found)] == ["8", "8"]
+    (problem,) = found.problems
+    assert problem.message.startswith("NeuronCores of Trainium2 are not offered")
+    engine = Engine(discover_inventory(tree.root), Config(policy=PolicyConfig("standalone")))
+    plan = admit(engine, core_request("aws.amazon.com/neuron=1", "a"))
+    env = env_of(plan)
+    assert env["AWS_NEURON_VISIBLE_DEVICES"] == "1" and "NEURON_RT_VISIBLE_CORES" not in env
