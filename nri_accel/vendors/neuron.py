@@ -24,7 +24,8 @@ a part of its device (nri_accel.vendors.base): a whole device and one of its cor
 never held by different containers (nri_accel.state.Holdings), while different cores
 of one device may go to different containers. Cores are numbered only while every
 earlier device's core count is known; from the first device without one, no core is
-discovered (its numbering would be a guess).
+discovered (its numbering would be a guess). Nor from the first Trainium2 (arch_type
+v3, LOGICAL_ARCHES), whose runtime counts logical cores, of a size a container chooses.
 
 Edits: each granted device's /dev/neuronN (a core's: its device's), and
 AWS_NEURON_VISIBLE_DEVICES = the device indices, those of granted cores' devices
