@@ -207,6 +207,16 @@ def test_graphics_brings_the_files_that_make_egl_and_vulkan_find_the_driver(a100
     assert not any("vulkan" in k or "glvnd" in k for k in mounts(driver(a100), "compute"))
 
 
+def test_graphics_brings_the_vulkan_layer_its_layer_file_names(fake_root: FakeRoot) -> None:
+    root = fake_root("h100")
+    dr, v = "/run/nvidia/driver", "570.124.06"
+    Path(root.local(f"{dr}{X86}/libnvidia-present.so.{v}")).write_bytes(b"")
+    drv = driver(discover_nvidia(root))
+    assert mounts(drv, "graphics")[f"{LIB}/libnvidia-present.so.{v}"] == \
+        f"{dr}{X86}/libnvidia-present.so.{v}"
+    assert not [k for k in mounts(drv, "compute") if "present" in k]
+
+
 def test_a_graphics_file_is_taken_from_etc_first_and_only_as_a_regular_file(
         fake_root: FakeRoot) -> None:
     # the toolkit's order (the driver's /etc, then /usr/share); a directory in its

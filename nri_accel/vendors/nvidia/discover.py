@@ -174,6 +174,9 @@ GRAPHICS_LIBS = (
     # GLVND vendor libraries
     "libGLX_nvidia.so", "libEGL_nvidia.so", "libGLESv2_nvidia.so", "libGLESv1_CM_nvidia.so",
     "libnvidia-glvkspirv.so", "libnvidia-cbl.so",
+    # the Vulkan layer that implicit_layer.d/nvidia_layers.json (mounted below) names
+    # (R550 on; libnvidia-container's list predates it, nvidia-ctk's CDI mounts it)
+    "libnvidia-present.so",
     # pre-GLVND drivers ship these with the driver's version; GLVND's own never match it
     "libGL.so", "libEGL.so", "libGLESv1_CM.so", "libGLESv2.so",
 )
