@@ -58,11 +58,13 @@ Facts it relies on (sources: repository + path):
   uuid for each partition in topology") a partition's unique_id is its first XCD's,
   one of its own: partitions are then the nodes whose location_id names a PCI function
   that is not there (function 0 of the slot is their GPU's), or one PCI function for
-  several nodes (_apart). Before it, a partition has no UUID (ROCr's is the GPU's),
-  answers to neither shared id, and is named for what stays true of it, its GPU's PCI
-  address and its index (Device.partition: "0000:11:00.0-p3", its key and its
-  device-plugin ID) while the mode stays; from it, by its own UUID. A new mode makes
-  new devices, as a MIG reconfiguration does. ROCm's device plugin IDs partitions by the PCI address
+  several nodes (_apart), and their GPU's unique_id is read from its PCI function's
+  amdgpu unique_id file (_with_gpu_ids; the partition's own is kept as the attribute
+  partition_unique_id). A partition has no UUID, answers to no id it shares, and is
+  named for what stays true of it, its GPU's PCI address and its index
+  (Device.partition: "0000:11:00.0-p3", its key and its device-plugin ID) while the
+  mode stays; its GPU's unique_id keys its whole. A new mode makes new devices, as a
+  MIG reconfiguration does. ROCm's device plugin IDs partitions by the PCI address
   (partition 0) and the amdgpu_xcp_<N> platform device name (the others), whose N is a
   counter over every GPU in probe order (ROCm/k8s-device-plugin internal/pkg/amdgpu/
   amdgpu.go, GetAMDGPUs): not what stays true of one partition, so not used here.
@@ -165,8 +167,8 @@ def discover(root: HostRoot) -> Found:
     if not root.exists(topo) and not module_loaded:
         return Found()  # no amdgpu here (a /dev/kfd alone may be a CDI spec's node)
 
-    gpus = _partitioned(_snapshot(root, problems), lambda key: root.exists(
-        root.sys_path(f"bus/pci/devices/{format_pci_bus_id(key)}")))
+    gpus = _with_gpu_ids(_partitioned(_snapshot(root, problems), lambda key: root.exists(
+        root.sys_path(f"bus/pci/devices/{format_pci_bus_id(key)}"))), root)
     if not root.exists(topo):
         problems.append(Problem(topo, "missing: amdkfd is not initialised, no GPU is usable "
                                 "for compute"))
@@ -314,6 +316,36 @@ def _apart(groups: list[list[_GpuNode]],
     return out + list(homes.values())
 
 
+def _with_gpu_ids(gpus: list[_GpuNode], root: HostRoot) -> list[_GpuNode]:
+    """Each partition with its GPU's unique_id for its own, which keys the GPU whole
+    (AmdProfile.partition_whole) across a change of mode and leaves the partitions no
+    UUID (they answer to their partition id). From Linux 6.18 a partition's own is its
+    first XCD's (kept as partition_unique_id); the GPU's is then its PCI function's
+    amdgpu unique_id file ("%016llx"), else the one its partitions share."""
+    shared: dict[tuple[int, int, int, int], set[int]] = {}
+    for g in gpus:
+        if g.partition is not None:
+            shared.setdefault(g.bus_key, set()).add(g.unique_id)
+    out = []
+    for g in gpus:
+        ids = shared.get(g.bus_key) if g.partition is not None else None
+        if ids is None:
+            out.append(g)
+            continue
+        text = kernel.read_stripped(
+            root, root.sys_path(f"bus/pci/devices/{format_pci_bus_id(g.bus_key)}/unique_id"))
+        gpu_uid = (int(text, 16) if text and _HEX16_RE.fullmatch(text)
+                   else next(iter(ids)) if len(ids) == 1 else 0)
+        props = {**g.props, "unique_id": gpu_uid}
+        if g.unique_id not in (0, gpu_uid):
+            props["partition_unique_id"] = g.unique_id
+        out.append(replace(g, props=props))
+    return out
+
+
+_HEX16_RE = re.compile(r"[0-9a-fA-F]{1,16}")
+
+
 def _parse_properties(text: str, source: str, problems: list[Problem]) -> dict[str, int]:
     """The "name value" lines of a KFD node's properties (values are u64, printed
     "%llu" by kfd_topology.c); a value that is not one is left out with a Problem."""
@@ -355,7 +387,7 @@ def _device(root: HostRoot, gpu: _GpuNode, name: str,
             attributes[key] = str(props[key])
     if props.get("device_id"):
         attributes["device_id"] = f"0x{props['device_id']:04x}"  # PCI device id
-    for key in ("hive_id", "unique_id"):
+    for key in ("hive_id", "unique_id", "partition_unique_id"):
         if props.get(key):
             attributes[key] = f"0x{props[key]:016x}"
     product = kernel.read_stripped(root, root.sys_path(f"bus/pci/devices/{bus_id}/"
@@ -502,7 +534,8 @@ class AmdProfile(VisibleDevicesProfile):
 
     def partition_whole(self, device: Device) -> Device:
         """The GPU a compute partition is part of, keyed as discovery keys it whole (in
-        SPX mode): by its ROCr UUID, "GPU-" and the unique_id every partition carries."""
+        SPX mode): by its ROCr UUID, "GPU-" and its GPU's unique_id, which discovery gives
+        every partition (_with_gpu_ids)."""
         whole = super().partition_whole(device)
         uid = device.attributes.get("unique_id", "")  # "0x" and 16 hex digits (_device)
         return replace(whole, uuid=f"GPU-{uid[2:]}") if uid else whole

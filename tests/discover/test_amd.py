@@ -318,12 +318,19 @@ def _amd_inventory(tree: HostTree) -> Inventory:
     return assemble([("amd", True, amd.discover(tree.root))])
 
 
-def _spx_then_cpx(tmp_path: Path) -> tuple[Inventory, Inventory]:
+def _spx_then_cpx(tmp_path: Path, *, own_ids: bool = False) -> tuple[Inventory, Inventory]:
     """One MI300X at 0000:11:00.0, whole (SPX), then in CPX mode: 8 partitions, the
-    first of them on the whole GPU's render node."""
+    first of them on the whole GPU's render node. `own_ids`: as Linux 6.18 on, each
+    partition's unique_id its first XCD's, the GPU's in its PCI function's unique_id."""
     spx, cpx = _tree(tmp_path / "spx", 0), _tree(tmp_path / "cpx", 0)
     _gpu(spx, 1, 0x11, 128, uid=0xABC)
-    _cpx(cpx, 1, 0x11, 128, 0xABC, 8)
+    if own_ids:
+        for p in range(8):
+            _gpu(cpx, 1 + p, 0x11, 128 + p, uid=0xD00 + p, location_id=0x11 << 8 | p)
+        for tree in (spx, cpx):
+            tree.file("/sys/bus/pci/devices/0000:11:00.0/unique_id", "0000000000000abc\n")
+    else:
+        _cpx(cpx, 1, 0x11, 128, 0xABC, 8)
     return _amd_inventory(spx), _amd_inventory(cpx)
 
 
@@ -333,12 +340,21 @@ def _asks(value: str, cid: str) -> ContainerInfo:
                          container_annotations={}, env=())
 
 
-def test_a_change_of_partition_mode_keeps_the_gpu_with_its_holder(tmp_path: Path) -> None:
+@pytest.mark.parametrize("own_ids", [False, True], ids=["shared ids", "Linux 6.18"])
+def test_a_change_of_partition_mode_keeps_the_gpu_with_its_holder(tmp_path: Path,
+                                                                  own_ids: bool) -> None:
     """The whole GPU and its partitions share render nodes: whichever a container holds,
     after amd-smi changes the mode (a refresh, carry_vanished, Engine.swap_inventory)
     the other form of that GPU goes to nobody else until it ends. Neither form is
-    carried as a vanished device: it was replaced on purpose."""
-    spx, cpx = _spx_then_cpx(tmp_path)
+    carried as a vanished device: it was replaced on purpose. From Linux 6.18 the
+    partitions' own unique_ids are their first XCDs': the GPU's, which keys it whole, is
+    its PCI function's, and the partitions keep their partition ids."""
+    spx, cpx = _spx_then_cpx(tmp_path, own_ids=own_ids)
+    parts = cpx.of_kind(amd.KIND)
+    assert [(d.uuid, d.stable_id, d.attributes["unique_id"]) for d in parts] == [
+        ("", f"0000:11:00.0-p{p}", "0x0000000000000abc") for p in range(8)]
+    assert [d.attributes.get("partition_unique_id") for d in parts] == [
+        f"0x0000000000000d0{p}" if own_ids else None for p in range(8)]
     for before, after, held, other in ((spx, cpx, "amd.com/gpu=0", "amd.com/gpu=3"),
                                        (cpx, spx, "amd.com/gpu=3", "amd.com/gpu=0")):
         engine = Engine(before, Config(policy=PolicyConfig(mode="standalone")))
