@@ -263,7 +263,8 @@ def _field(n: int) -> int:
 
 
 def _varint_bytes(n: int) -> int:
-    return max(1, (n.bit_length() + 6) // 7)
+    """Bytes of `n` as a protobuf varint: a negative int64 is 10 (two's complement)."""
+    return 10 if n < 0 else max(1, (n.bit_length() + 6) // 7)
 
 
 def _replica_suffix(replicas: int, n: int) -> str:

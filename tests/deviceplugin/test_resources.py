@@ -169,7 +169,7 @@ def test_the_listed_size_is_the_answer_protobuf_encodes_failing_closed() -> None
     # nodes absent, 0 (a varint protobuf leaves out), small and large, IDs of any length.
     devices = tuple(PluginDevice(id=name, qualified_name="", numa_node=numa)
                     for name in ("a", "GPU-" + "f" * 36, "x" * 63, "é" * 20)
-                    for numa in (None, 0, 1, 127, 128, 300, 1 << 40))
+                    for numa in (None, 0, 1, 127, 128, 300, 1 << 40, -1))
     resource = Resource("acme.example/npu", devices, 1)
     assert listed_bytes(devices) == _device_list(resource, closed=True).ByteSize()
     assert listed_bytes(devices) > _device_list(resource, closed=False).ByteSize()
