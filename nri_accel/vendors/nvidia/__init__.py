@@ -114,6 +114,7 @@ ENV_NV_GPU = "NV_GPU"
 ENV_CAPABILITIES = "NVIDIA_DRIVER_CAPABILITIES"
 ENV_MIG_CONFIG = "NVIDIA_MIG_CONFIG_DEVICES"
 ENV_MIG_MONITOR = "NVIDIA_MIG_MONITOR_DEVICES"
+ENV_IMEX = "NVIDIA_IMEX_CHANNELS"
 CAPABILITIES_KEY = "capabilities.nri-accel.io"
 
 # libnvidia-container / nvidia-container-toolkit driver capabilities.
@@ -133,6 +134,10 @@ GRAPHICS_CAPABILITIES = frozenset({"graphics", "display"})
 MIG_CONFIG = "mig-config"  # Driver capabilities that are not driver capabilities of a
 MIG_MONITOR = "mig-monitor"  # request: the MIG management nodes
 NOT_CAPABILITIES = frozenset({BASE, MIG_CONFIG, MIG_MONITOR})
+# The Driver capability holding IMEX channel N's node: "imex-channel/0" (discovery
+# writes one for each /dev/nvidia-caps-imex-channels/channel<N> the host has).
+IMEX_CHANNEL_PREFIX = "imex-channel/"
+MAX_IMEX_CHANNELS = 64  # channels one container may ask for (a node has up to 2048)
 
 # The one id with '/': R450-era MIG UUIDs, MIG-GPU-<gpu uuid>/<gi>/<ci>.
 LEGACY_MIG_RE = re.compile(r"MIG-GPU-[0-9A-Fa-f-]{36}/[0-9]{1,3}/[0-9]{1,3}")
@@ -160,6 +165,7 @@ class EnvOptions(Struct, frozen=True):
     legacy: bool = False  # CUDA_VERSION without NVIDIA_REQUIRE_CUDA
     mig_config: bool = False
     mig_monitor: bool = False
+    imex_channels: tuple[str, ...] = ()  # NVIDIA_IMEX_CHANNELS: numbers, or ("all",)
 
 
 class Options(Struct, frozen=True, cache_hash=True):
@@ -172,6 +178,7 @@ class Options(Struct, frozen=True, cache_hash=True):
     requirements: Requirements | None = None
     mig_config: bool = False
     mig_monitor: bool = False
+    imex_channels: tuple[str, ...] = ()
 
 
 DEFAULT_OPTIONS = Options()
@@ -181,7 +188,7 @@ class NvidiaProfile(Profile):
     name = VENDOR
     kinds = (KIND_GPU, KIND_MIG)
     env_names = frozenset({ENV_VISIBLE, ENV_NV_GPU, ENV_CAPABILITIES, ENV_MIG_CONFIG,
-                           ENV_MIG_MONITOR, CUDA_VERSION, DISABLE_REQUIRE})
+                           ENV_MIG_MONITOR, ENV_IMEX, CUDA_VERSION, DISABLE_REQUIRE})
     env_prefixes = (REQUIRE_PREFIX,)
     option_key = CAPABILITIES_KEY
     id_pattern = LEGACY_MIG_RE
@@ -219,12 +226,13 @@ class NvidiaProfile(Profile):
                 legacy=legacy,
                 mig_config=_mig_caps(env, ENV_MIG_CONFIG),
                 mig_monitor=_mig_caps(env, ENV_MIG_MONITOR),
+                imex_channels=parse_imex_channels(env.get(ENV_IMEX, ""), f"env {ENV_IMEX}"),
             )
         except RequestError as e:
             return EnvAsk(sources=sources, visible=shown, problem=(e.source, e.message))
         privileged = tuple(f"env {var}" for var, asked in (
-            (ENV_MIG_CONFIG, options.mig_config), (ENV_MIG_MONITOR, options.mig_monitor))
-            if asked)
+            (ENV_MIG_CONFIG, options.mig_config), (ENV_MIG_MONITOR, options.mig_monitor),
+            (ENV_IMEX, options.imex_channels)) if asked)
         return EnvAsk(sources=sources, privileged=privileged, options=options, visible=shown)
 
     def read_option(self, value: str, source: str) -> Hashable:
@@ -244,7 +252,7 @@ class NvidiaProfile(Profile):
             return DEFAULT_OPTIONS
         return Options(capabilities=caps, capabilities_source=source,
                        requirements=env.requirements, mig_config=env.mig_config,
-                       mig_monitor=env.mig_monitor)
+                       mig_monitor=env.mig_monitor, imex_channels=env.imex_channels)
 
     # ---- selection ------------------------------------------------------------------
 
@@ -268,6 +276,15 @@ class NvidiaProfile(Profile):
             _refuse_mig_caps_beside_mig_devices(opts, specific)
         if opts.requirements is not None:
             _check_requirements(index, opts.requirements, devices)
+        if opts.imex_channels and opts.imex_channels != ("all",):
+            driver = index.inventory.driver(VENDOR)
+            have = driver.capabilities if driver is not None else {}
+            absent = [n for n in opts.imex_channels if IMEX_CHANNEL_PREFIX + n not in have]
+            if absent:
+                raise RequestError(f"no IMEX channel {', '.join(absent)} on this node (/dev/"
+                                   "nvidia-caps-imex-channels/channel<N>, made by the "
+                                   "IMEX daemon or nvidia-modprobe -i N)",
+                                   source=f"env {ENV_IMEX}")
 
     # ---- edits ----------------------------------------------------------------------
 
@@ -323,6 +340,13 @@ class NvidiaProfile(Profile):
             add(MIG_CONFIG)
         if opts.mig_monitor:
             add(MIG_MONITOR)
+        if opts.imex_channels:
+            channels = opts.imex_channels
+            if channels == ("all",):  # every channel the node has
+                channels = tuple(sorted((c[len(IMEX_CHANNEL_PREFIX):] for c in have
+                                         if c.startswith(IMEX_CHANNEL_PREFIX)), key=int))
+            for n in channels:
+                add(IMEX_CHANNEL_PREFIX + n)
         env = [(ENV_VISIBLE, ",".join(d.uuid or d.name for d in devices) or "none")]
         if given:
             env.append((ENV_CAPABILITIES, ",".join(sorted(given))))
@@ -521,6 +545,30 @@ def parse_capabilities(value: str, source: str) -> tuple[frozenset[str], str]:
         raise RequestError(f"unknown driver capabilities {', '.join(unknown)} (known: all, "
                            f"{', '.join(sorted(ALL_CAPABILITIES))})", source=source)
     return frozenset(names), source
+
+
+_CHANNEL_RE = re.compile(r"0|[1-9][0-9]{0,6}")
+
+
+@memoized(256, 16 * 1024)
+def parse_imex_channels(value: str, source: str) -> tuple[str, ...]:
+    """NVIDIA_IMEX_CHANNELS (nvidia-container-toolkit's ImexChannelRequests): channel
+    numbers separated by commas, blanks trimmed and empty items skipped, or "all" (every
+    channel the node has); empty or "void" asks none. The channels, sorted, or
+    ("all",)."""
+    tokens = {t.strip() for t in value.split(",")} - {""}
+    if not tokens or "void" in tokens:
+        return ()
+    if "all" in tokens:
+        return ("all",)
+    if len(tokens) > MAX_IMEX_CHANNELS:
+        raise RequestError(f"{len(tokens)} channels, more than the {MAX_IMEX_CHANNELS} "
+                           "one container may ask for", source=source)
+    for t in tokens:
+        if not _CHANNEL_RE.fullmatch(t):
+            raise RequestError(f"{cut(t, 32)!r} is not an IMEX channel number; expected "
+                               "numbers such as 0,1, or 'all'", source=source)
+    return tuple(sorted(tokens, key=int))
 
 
 def _mig_caps(env: Mapping[str, str], var: str) -> bool:

@@ -129,7 +129,14 @@ from nri_accel.inventory import (
     parse_pci_bus_id,
 )
 from nri_accel.log import get_logger
-from nri_accel.vendors.nvidia import COMPAT32_PREFIX, DRM_PREFIX, KIND_GPU, KIND_MIG, VENDOR
+from nri_accel.vendors.nvidia import (
+    COMPAT32_PREFIX,
+    DRM_PREFIX,
+    IMEX_CHANNEL_PREFIX,
+    KIND_GPU,
+    KIND_MIG,
+    VENDOR,
+)
 
 log = get_logger(__name__)
 
@@ -143,6 +150,9 @@ BIN_DIR = "/usr/bin"
 PROC_CAPS = "/proc/driver/nvidia/capabilities"
 MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
 CAPS_DIR = "nvidia-caps"  # under /dev
+IMEX_DIR = "nvidia-caps-imex-channels"  # under /dev: channel<N>, minor N
+IMEX_DRIVER = "nvidia-caps-imex-channels"  # its /proc/devices name
+_IMEX_CHANNEL_RE = re.compile(r"channel(0|[1-9][0-9]{0,6})")
 IPC_OPTIONS = ("ro", "nosuid", "nodev", "noexec", "bind")
 # The kernel's firmware search (drivers/base/firmware_loader/main.c, fw_path), after
 # the firmware_class.path parameter; {release}: the running kernel's
@@ -798,7 +808,29 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
         path = f"{PROC_CAPS}/mig/{key}"
         if scan.root.exists(path):
             caps[cap] = ContainerEdits(device_nodes=nodes(scan.cap_node(path, key, what=cap)))
+    caps.update(_imex_channels(scan))
     return {k: _sorted(v) for k, v in caps.items() if v}
+
+
+def _imex_channels(scan: _Scan) -> dict[str, ContainerEdits]:
+    """IMEX_CHANNEL_PREFIX + N -> the node of IMEX channel N, of each
+    /dev/nvidia-caps-imex-channels/channel<N> the host has, of the major /proc/devices
+    gives nvidia-caps-imex-channels, minor N (the driver's, nvidia-modprobe -i N, or the
+    IMEX daemon makes them; none is made here). A channel joins the GPUs of other nodes
+    of an NVLink domain, so a container gets one only where it asks (NVIDIA_IMEX_CHANNELS)."""
+    major = char_major(scan.root, IMEX_DRIVER)
+    if major is None:
+        return {}
+    out = {}
+    for entry in scan.root.listdir(scan.root.dev_path(IMEX_DIR)):
+        m = _IMEX_CHANNEL_RE.fullmatch(entry)
+        if m is None or int(m[1]) > MAX_MINOR:
+            continue
+        node = scan.node(f"{IMEX_DIR}/{entry}", expect=(major, int(m[1])),
+                         what=f"IMEX channel {int(m[1])}")
+        if node is not None:
+            out[f"{IMEX_CHANNEL_PREFIX}{int(m[1])}"] = ContainerEdits(device_nodes=(node,))
+    return out
 
 
 def _xorg_modules(locator: Locator, version: str, cuda: str | None) -> list[Mount]:
