@@ -10,7 +10,9 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 
+import msgspec
 import pytest
 from engine.engine_testing import admit, container, kubernetes, standalone
 
@@ -20,7 +22,7 @@ from nri_accel.engine import Engine
 from nri_accel.errors import PolicyError, RequestError
 from nri_accel.inventory import Inventory
 from nri_accel.vendors.nvidia import parse_imex_channels
-from nri_accel.vendors.nvidia.discover import discover_nvidia
+from nri_accel.vendors.nvidia.discover import discover_nvidia, probe
 
 FakeRoot = Callable[[str], HostRoot]
 IMEX_MAJOR = 505
@@ -97,3 +99,27 @@ def test_kubernetes_grants_a_channel_only_where_env_may_grant(fake_root: FakeRoo
     assert CHANNEL0 in _nodes(trusted)
     # and a container given no GPU is not refused for asking
     assert admit(Engine(inv, kubernetes()), container(env=env)).devices == ()
+
+
+def test_a_channel_made_after_discovery_moves_the_probe(fake_root: FakeRoot) -> None:
+    # the IMEX daemon or nvidia-modprobe -i makes channels after boot: the refresh's
+    # cheap check must see one appear, or the channel stays refused until a restart
+    root = fake_root("h100")
+    Path(root.local(CHANNEL0)).parent.mkdir()
+    before = probe(root)
+    os.mknod(root.local(CHANNEL0), stat.S_IFCHR | 0o666, os.makedev(IMEX_MAJOR, 0))
+    assert probe(root) != before
+
+
+def test_all_on_a_node_of_more_channels_than_a_container_gets_is_refused_by_name(
+        fake_root: FakeRoot) -> None:
+    inv = _with_channel0(fake_root)
+    driver = inv.driver("nvidia")
+    many = {**driver.capabilities, **{f"imex-channel/{n}": driver.capabilities[
+        "imex-channel/0"] for n in range(1, 65)}}
+    inv = Inventory(devices=inv.devices, drivers={"nvidia": msgspec.structs.replace(
+        driver, capabilities=MappingProxyType(many))})
+    with pytest.raises(RequestError, match="'all' is this node's 65 IMEX channels") as err:
+        Engine(inv, standalone()).plan(container(env=("NVIDIA_VISIBLE_DEVICES=0",
+                                                      "NVIDIA_IMEX_CHANNELS=all")))
+    assert err.value.source == "env NVIDIA_IMEX_CHANNELS"

@@ -276,11 +276,17 @@ class NvidiaProfile(Profile):
             _refuse_mig_caps_beside_mig_devices(opts, specific)
         if opts.requirements is not None:
             _check_requirements(index, opts.requirements, devices)
-        if opts.imex_channels and opts.imex_channels != ("all",):
+        if opts.imex_channels:
             driver = index.inventory.driver(VENDOR)
             have = driver.capabilities if driver is not None else {}
-            absent = [n for n in opts.imex_channels if IMEX_CHANNEL_PREFIX + n not in have]
-            if absent:
+            if opts.imex_channels == ("all",):
+                n = sum(1 for c in have if c.startswith(IMEX_CHANNEL_PREFIX))
+                if n > MAX_IMEX_CHANNELS:
+                    raise RequestError(f"'all' is this node's {n} IMEX channels, more than the "
+                                       f"{MAX_IMEX_CHANNELS} one container may be given: name "
+                                       "the channels", source=f"env {ENV_IMEX}")
+            elif absent := [n for n in opts.imex_channels
+                            if IMEX_CHANNEL_PREFIX + n not in have]:
                 raise RequestError(f"no IMEX channel {', '.join(absent)} on this node (/dev/"
                                    "nvidia-caps-imex-channels/channel<N>, made by the "
                                    "IMEX daemon or nvidia-modprobe -i N)",

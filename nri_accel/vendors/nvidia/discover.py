@@ -282,12 +282,14 @@ def normalise_pci_bus_id(value: str) -> str:
 def probe(root: HostRoot) -> State:
     """What moves when the NVIDIA side of the node changes: the driver version (upgrade,
     reload), the /dev/nvidia* and /dev/nvidia-caps nodes (hot-plug, nodes created or
-    removed) and the MIG capability tree (a MIG reconfiguration creates and removes its
-    gi<N>/ci<M> directories)."""
+    removed), the IMEX channel nodes (the IMEX daemon or nvidia-modprobe -i makes them
+    after boot) and the MIG capability tree (a MIG reconfiguration creates and removes
+    its gi<N>/ci<M> directories)."""
     out = [file_state(root, "/proc/driver/nvidia/version"),
            file_state(root, root.sys_path("module/nvidia/version")),
            *entries(root, root.dev, ("nvidia",)),
-           *entries(root, root.dev_path("nvidia-caps"))]
+           *entries(root, root.dev_path("nvidia-caps")),
+           *entries(root, root.dev_path(IMEX_DIR))]
     for gpu in root.listdir(PROC_CAPS):
         mig = f"{PROC_CAPS}/{gpu}/mig"
         for gi in root.listdir(mig):
