@@ -326,21 +326,28 @@ def _with_gpu_ids(gpus: list[_GpuNode], root: HostRoot) -> list[_GpuNode]:
     for g in gpus:
         if g.partition is not None:
             shared.setdefault(g.bus_key, set()).add(g.unique_id)
+    gpu_uids = {key: _gpu_unique_id(root, key, ids) for key, ids in shared.items()}
     out = []
     for g in gpus:
-        ids = shared.get(g.bus_key) if g.partition is not None else None
-        if ids is None:
+        if g.partition is None:
             out.append(g)
             continue
-        text = kernel.read_stripped(
-            root, root.sys_path(f"bus/pci/devices/{format_pci_bus_id(g.bus_key)}/unique_id"))
-        gpu_uid = (int(text, 16) if text and _HEX16_RE.fullmatch(text)
-                   else next(iter(ids)) if len(ids) == 1 else 0)
+        gpu_uid = gpu_uids[g.bus_key]
         props = {**g.props, "unique_id": gpu_uid}
         if g.unique_id not in (0, gpu_uid):
             props["partition_unique_id"] = g.unique_id
         out.append(replace(g, props=props))
     return out
+
+
+def _gpu_unique_id(root: HostRoot, bus_key: tuple[int, int, int, int], ids: set[int]) -> int:
+    """The unique_id of the GPU at PCI function `bus_key` whose partitions report `ids`:
+    its amdgpu unique_id file, else the one id they share, else 0 (not known)."""
+    text = kernel.read_stripped(
+        root, root.sys_path(f"bus/pci/devices/{format_pci_bus_id(bus_key)}/unique_id"))
+    if text and _HEX16_RE.fullmatch(text):
+        return int(text, 16)
+    return next(iter(ids)) if len(ids) == 1 else 0
 
 
 _HEX16_RE = re.compile(r"[0-9a-fA-F]{1,16}")

@@ -137,6 +137,7 @@ NOT_CAPABILITIES = frozenset({BASE, MIG_CONFIG, MIG_MONITOR})
 # The Driver capability holding IMEX channel N's node: "imex-channel/0" (discovery
 # writes one for each /dev/nvidia-caps-imex-channels/channel<N> the host has).
 IMEX_CHANNEL_PREFIX = "imex-channel/"
+IMEX_CHANNEL = r"0|[1-9][0-9]{0,6}"  # a channel number, in NVIDIA_IMEX_CHANNELS and /dev
 MAX_IMEX_CHANNELS = 64  # channels one container may ask for (a node has up to 2048)
 
 # The one id with '/': R450-era MIG UUIDs, MIG-GPU-<gpu uuid>/<gi>/<ci>.
@@ -553,7 +554,7 @@ def parse_capabilities(value: str, source: str) -> tuple[frozenset[str], str]:
     return frozenset(names), source
 
 
-_CHANNEL_RE = re.compile(r"0|[1-9][0-9]{0,6}")
+_CHANNEL_RE = re.compile(IMEX_CHANNEL)
 
 
 @memoized(256, 16 * 1024)

@@ -132,6 +132,7 @@ from nri_accel.log import get_logger
 from nri_accel.vendors.nvidia import (
     COMPAT32_PREFIX,
     DRM_PREFIX,
+    IMEX_CHANNEL,
     IMEX_CHANNEL_PREFIX,
     KIND_GPU,
     KIND_MIG,
@@ -152,7 +153,7 @@ MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
 CAPS_DIR = "nvidia-caps"  # under /dev
 IMEX_DIR = "nvidia-caps-imex-channels"  # under /dev: channel<N>, minor N
 IMEX_DRIVER = "nvidia-caps-imex-channels"  # its /proc/devices name
-_IMEX_CHANNEL_RE = re.compile(r"channel(0|[1-9][0-9]{0,6})")
+_IMEX_CHANNEL_RE = re.compile(rf"channel({IMEX_CHANNEL})")
 IPC_OPTIONS = ("ro", "nosuid", "nodev", "noexec", "bind")
 # The kernel's firmware search (drivers/base/firmware_loader/main.c, fw_path), after
 # the firmware_class.path parameter; {release}: the running kernel's
@@ -472,8 +473,8 @@ class _Scan(Struct):
         every container start, as nri-accel does not): the host's node (node()), else,
         while the driver is loaded, the node _made_node() grants."""
         major = char_major(self.root, driver)
-        if major is None or self.root.exists(self.root.dev_path(name)):
-            return self.node(name, expect=(major, minor), what=what)
+        if major is None:  # not loaded: the host's node or nothing
+            return self.node(name, expect=(None, minor), what=what)
         return self._made_node(name, major, minor, 0o666, what=what,
                                fix=f"nvidia-modprobe -u -c={minor}")
 
@@ -826,12 +827,11 @@ def _imex_channels(scan: _Scan) -> dict[str, ContainerEdits]:
     out = {}
     for entry in scan.root.listdir(scan.root.dev_path(IMEX_DIR)):
         m = _IMEX_CHANNEL_RE.fullmatch(entry)
-        if m is None or int(m[1]) > MAX_MINOR:
+        if m is None or (n := int(m[1])) > MAX_MINOR:
             continue
-        node = scan.node(f"{IMEX_DIR}/{entry}", expect=(major, int(m[1])),
-                         what=f"IMEX channel {int(m[1])}")
+        node = scan.node(f"{IMEX_DIR}/{entry}", expect=(major, n), what=f"IMEX channel {n}")
         if node is not None:
-            out[f"{IMEX_CHANNEL_PREFIX}{int(m[1])}"] = ContainerEdits(device_nodes=(node,))
+            out[f"{IMEX_CHANNEL_PREFIX}{n}"] = ContainerEdits(device_nodes=(node,))
     return out
 
 
