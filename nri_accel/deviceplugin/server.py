@@ -18,6 +18,14 @@ resource name, options); kubelet connects back and keeps a ListAndWatch stream o
 When kubelet restarts it deletes every socket in its directory and creates kubelet.sock
 anew: a poll (one stat of kubelet.sock and of each plugin socket per interval) notices
 either, serves again on a fresh socket where it was deleted and registers again.
+kubelet also loses a stream with kubelet.sock left as it was (a message it could not
+receive, a connection that broke: kubernetes#131013) and never connects again by
+itself: it disconnects the plugin, whose devices turn Unhealthy and whose capacity goes
+after 5 minutes. So a registered resource that has had no ListAndWatch stream open for
+WATCH_GRACE (10 s) registers again (`kubelet_not_watching`, with back-off) until
+kubelet watches it: a Register kubelet answers but never follows with a stream (one
+that came while it still held its client for the resource, which some kubelets keep
+instead of connecting anew, until they handle the old stream's end) is made again.
 
 One device plugin per kubelet directory: it holds an exclusive flock on the directory
 itself from start to stop (DevicePlugins._lock_directory). A second one (a DaemonSet
@@ -114,6 +122,9 @@ if TYPE_CHECKING:  # importing nri_accel.discover would load every discoverer
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 _MAX_RETRY_DELAY = 30.0  # seconds between registration attempts at most
+# Seconds a registered resource may go without a ListAndWatch stream before it registers
+# again: kubelet opens one right after Register answers.
+WATCH_GRACE = 10.0
 # pre_start_required: kubelet calls PreStartContainer before each container start,
 # where the plugin fails closed once more (see the module docstring).
 _OPTIONS = pb2.DevicePluginOptions(
@@ -318,7 +329,10 @@ class _Endpoint:
         self._plugins = plugins
         self.path = os.path.join(directory, resource.endpoint)
         self.registered_with: _SocketId | None = None  # kubelet.sock we registered with
-        self.failures = 0
+        # Loop time since when no ListAndWatch stream is open (None: one is), looked at
+        # while registered (DevicePlugins._check).
+        self.unwatched_since: float | None = None
+        self.failures = 0  # registrations in a row that failed or that kubelet never watched
         self.retry_at = 0.0
         self._server: grpc.aio.Server | None = None
         self._socket: _SocketId | None = None
@@ -361,6 +375,11 @@ class _Endpoint:
     def serving(self) -> bool:
         return self._server is not None
 
+    @property
+    def watched(self) -> bool:
+        """A ListAndWatch stream is open."""
+        return self._streams > 0
+
     def socket_intact(self) -> bool:
         """Serving, and the socket file is still the one this endpoint created."""
         return self._socket is not None and _socket_id(self.path) == self._socket
@@ -391,6 +410,8 @@ class _Endpoint:
         its last list was sent."""
         sent: tuple[Resource, bool] | None = None
         self._streams += 1
+        self.unwatched_since = None
+        self.failures = 0  # kubelet watches: the registration worked
         try:
             while True:
                 changed = self._changed
@@ -406,6 +427,7 @@ class _Endpoint:
             self._streams -= 1
             if not self._streams:
                 self._drained.set()
+                self.unwatched_since = asyncio.get_running_loop().time()
 
     async def close(self, grace: float) -> None:
         """End ListAndWatch streams once each has sent the last change (the emptied
@@ -451,7 +473,7 @@ class DevicePlugins:
                  state_dir: str | None = None,
                  recorders: Mapping[str, RequestRecorder] | None = None,
                  poll_interval: float = 1.0, register_timeout: float = 5.0,
-                 grace: float = 1.0) -> None:
+                 grace: float = 1.0, watch_grace: float = WATCH_GRACE) -> None:
         self._inventory = inventory
         self._dir = os.path.abspath(kubelet_dir)
         self._kubelet_socket = os.path.join(self._dir, KUBELET_SOCKET)
@@ -462,6 +484,7 @@ class DevicePlugins:
         self._poll = poll_interval
         self._register_timeout = register_timeout
         self._grace = grace
+        self._watch_grace = watch_grace
         self._endpoints: dict[str, _Endpoint] = {}
         self._kubelet: _SocketId | None = None
         self._lock = asyncio.Lock()
@@ -502,8 +525,10 @@ class DevicePlugins:
         return why
 
     def registered(self) -> dict[str, bool]:
-        """Resource name -> registered with the kubelet now listening."""
-        return {name: ep.registered_with is not None and ep.registered_with == self._kubelet
+        """Resource name -> registered with the kubelet now listening, which watches it
+        (a ListAndWatch stream is open: kubelet has the resource)."""
+        return {name: ep.watched and ep.registered_with is not None
+                and ep.registered_with == self._kubelet
                 for name, ep in sorted(self._endpoints.items())}
 
     def ready(self) -> str | None:
@@ -516,7 +541,7 @@ class DevicePlugins:
             return f"no kubelet listening at {self._kubelet_socket}"
         missing = [name for name, ok in self.registered().items() if not ok]
         if missing:
-            return f"not registered with kubelet: {', '.join(missing)}"
+            return f"not registered with kubelet, or not watched by it: {', '.join(missing)}"
         return None
 
     async def start(self) -> None:
@@ -701,7 +726,11 @@ class DevicePlugins:
                 except ConfigError as e:
                     self._failed(ep, now, "serve_failed", str(e))
                     continue
-            if kubelet is not None and ep.registered_with != kubelet:
+            if kubelet is None:
+                continue
+            if ep.registered_with == kubelet and self._unwatched(ep, now):
+                continue
+            if ep.registered_with != kubelet:
                 to_register.append(ep)
         await asyncio.gather(*(self._register(ep, kubelet, now) for ep in to_register))
 
@@ -716,14 +745,34 @@ class DevicePlugins:
             self._failed(ep, now, "registration_failed", f"{e.code().name}: {e.details()}")
             return
         ep.registered_with = kubelet
-        ep.failures = 0
+        if not ep.watched:  # kubelet opens its stream right after the answer
+            ep.unwatched_since = asyncio.get_running_loop().time()
         log.info("registered", resource=ep.resource.name, endpoint=ep.resource.endpoint)
 
+    def _unwatched(self, ep: _Endpoint, now: float) -> bool:
+        """True, and the registration dropped to be made again after a back-off, when
+        kubelet has not watched the registered `ep` for the watch grace (see the module
+        docstring)."""
+        since = ep.unwatched_since
+        if since is None or now - since < self._watch_grace:
+            return False
+        ep.registered_with = None
+        log.warning("kubelet_not_watching", resource=ep.resource.name,
+                    seconds=round(now - since, 1), retry_in=self._retry_later(ep, now),
+                    effect="kubelet drops a resource whose ListAndWatch stream ended (its "
+                           "devices Unhealthy, after 5 minutes gone): registering again")
+        return True
+
     def _failed(self, ep: _Endpoint, now: float, event: str, error: str) -> None:
+        log.error(event, resource=ep.resource.name, error=error,
+                  retry_in=self._retry_later(ep, now))
+
+    def _retry_later(self, ep: _Endpoint, now: float) -> float:
+        """Back off `ep`'s next try (poll interval doubling up to 30 s); the delay."""
         ep.failures += 1
         delay = min(self._poll * 2 ** (ep.failures - 1), _MAX_RETRY_DELAY)
         ep.retry_at = now + delay
-        log.error(event, resource=ep.resource.name, error=error, retry_in=delay)
+        return delay
 
 
 async def serve(inventory: Inventory, kubelet_dir: str, *, stop: asyncio.Event,

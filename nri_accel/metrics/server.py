@@ -172,7 +172,8 @@ class DevicePluginMetrics(_Metrics):
         super().__init__(requests)
         self._kubelet = Gauge(
             "nri_accel_kubelet_registered",
-            "1 while the resource is registered with kubelet, else 0.", ("resource",),
+            "1 while the resource is registered with kubelet and kubelet watches it (a "
+            "ListAndWatch stream is open), else 0.", ("resource",),
             registry=self.registry)
         self._nri = Gauge(
             "nri_accel_nri_plugin_registered",

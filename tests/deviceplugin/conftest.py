@@ -10,8 +10,8 @@ FPGA (acme.example/fpga, declared in `NODE_CONFIG`).
 keeps the state record the device plugin reads fresh, as `run` does, until a test
 makes it unregister, go silent or vanish.
 `plugins`: starts DevicePlugins on a background asyncio loop, as `nri-accel
-device-plugin` runs it, with a 50 ms poll and `nri_side`'s state directory; stopped at
-teardown.
+device-plugin` runs it, with a 50 ms poll and `nri_side`'s state directory (and the
+default 10 s watch grace unless a test sets one); stopped at teardown.
 `quiet_servers` (every test): the plugins' log lines are kept in memory, not printed.
 """
 
@@ -274,10 +274,10 @@ def plugins(short_dir: str, nri_side: FakeNriSide) -> Iterator[Callable[..., Run
     started: list[RunningPlugins] = []
 
     def start(inventory: Inventory | None = None, config: Config = NODE_CONFIG,
-              directory: str = short_dir) -> RunningPlugins:
+              directory: str = short_dir, watch_grace: float = 10.0) -> RunningPlugins:
         p = DevicePlugins(inventory if inventory is not None else node_inventory(), directory,
                           config=config, state_dir=nri_side.state_dir, poll_interval=0.05,
-                          grace=0.5)
+                          grace=0.5, watch_grace=watch_grace)
         running = RunningPlugins(p)
         started.append(running)
         return running

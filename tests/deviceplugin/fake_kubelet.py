@@ -12,6 +12,13 @@ What it does, as kubelet does (plugin/v1beta1/server.go, handler.go, client.go):
 What it does not do: admission, allocation bookkeeping, checkpoints, calling Allocate
 (tests call the plugin with `client()`, as kubelet's Allocate path would).
 `refuse_next` makes the next registrations fail with a status, to test retries.
+drop() ends a plugin's stream as kubelet does when it loses one (a message it could
+not receive, a broken connection: client.go's Run returns, handler.go's runClient
+disconnects the client), and never connects again by itself. With `keeps_clients`,
+it holds its client for a resource as the kubelets that deduplicate registrations do
+(handler.go connectClient: a Register naming the socket of a client it holds is
+answered and does nothing), until `forget_delay` seconds after that client's stream
+ended (the time runClient takes to get to the disconnect).
 """
 
 from __future__ import annotations
@@ -54,6 +61,10 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
         self.socket = os.path.join(directory, "kubelet.sock")
         self.connections: list[PluginConnection] = []
         self.refuse_next: list[grpc.StatusCode] = []
+        self.keeps_clients = False
+        self.forget_delay = 0.0
+        self.registers = 0  # Register calls answered, those that did nothing included
+        self._clients: dict[str, PluginConnection] = {}  # resource -> the one held
         self._server: grpc.Server | None = None
         self._stopping = False  # set while stop() runs: late Register calls are dropped
         self._cond = threading.Condition()
@@ -65,6 +76,7 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
         self._remove_sockets()
         with self._cond:
             self._stopping = False
+            self._clients.clear()  # a kubelet starts holding no plugin client
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         pb2_grpc.add_RegistrationServicer_to_server(self, server)
         server.add_insecure_port(f"unix:{self.socket}")
@@ -74,6 +86,7 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
+            self._cond.notify_all()
         if self._server is not None:
             self._server.stop(None).wait()
             self._server = None
@@ -106,6 +119,13 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
             context.abort(grpc.StatusCode.UNKNOWN, f"unsupported version {request.version!r}")
         if "/" not in request.resource_name:
             context.abort(grpc.StatusCode.UNKNOWN, f"invalid resource {request.resource_name!r}")
+        with self._cond:
+            held = self._clients.get(request.resource_name)
+            if self.keeps_clients and held is not None \
+                    and held.request.endpoint == request.endpoint:
+                self.registers += 1
+                self._cond.notify_all()
+                return pb2.Empty()
         conn = PluginConnection(request=request)
         channel = grpc.insecure_channel(f"unix:{os.path.join(self.directory, request.endpoint)}")
         conn.channel = channel
@@ -121,6 +141,8 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
                 channel.close()
                 context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet is stopping")
             t.start()
+            self.registers += 1
+            self._clients[request.resource_name] = conn
             self.connections.append(conn)
             self._threads.append(t)
             self._cond.notify_all()
@@ -137,6 +159,17 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
         with self._cond:
             conn.ended = True
             self._cond.notify_all()
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopping, self.forget_delay)
+            if self._clients.get(conn.request.resource_name) is conn:
+                del self._clients[conn.request.resource_name]
+
+    def drop(self, conn: PluginConnection) -> None:
+        """End `conn`'s ListAndWatch stream as kubelet does when it loses one (see the
+        module docstring)."""
+        assert conn.channel is not None
+        conn.channel.close()
+        self.wait_for(lambda: conn.ended, f"{conn.request.resource_name}'s stream to end")
 
     # ---- what tests look at ------------------------------------------------------
 

@@ -10,6 +10,7 @@ import stat
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from nri_accel.config import Config, DevicesConfig
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
@@ -340,3 +341,59 @@ def test_closing_a_resource_waits_for_each_stream_to_send_its_last_list(tmp_path
 
     at_close, sent = asyncio.run(main())
     assert at_close == sent == [1, 0]
+
+
+def _gpu_only() -> Inventory:
+    return Inventory(devices=tuple(d for d in node_inventory().devices if d.kind == KIND_GPU))
+
+
+def test_a_stream_kubelet_lost_is_registered_again(kubelet, plugins) -> None:
+    # kubelet loses the stream (kubernetes#131013) and never connects again by itself
+    with capture_logs() as logs:
+        plugins(_gpu_only(), watch_grace=0.2)
+        first = kubelet.wait_registered("nvidia.com/gpu")
+        kubelet.wait_list(first)
+        kubelet.drop(first)
+        again = kubelet.wait_registered("nvidia.com/gpu", count=2)
+        assert again.request.endpoint == first.request.endpoint
+        assert _ids(kubelet.wait_list(again)) == [GPU0, GPU2]
+    (line,) = [e for e in logs if e["event"] == "kubelet_not_watching"]
+    assert line["resource"] == "nvidia.com/gpu" and line["seconds"] >= 0.2
+    assert "registering again" in line["effect"]
+
+
+def test_a_register_kubelet_never_follows_with_a_stream_is_made_again(kubelet,
+                                                                      plugins) -> None:
+    # A kubelet that holds its client for the resource until it has handled the old
+    # stream's end answers the first Register after the drop and does nothing: the
+    # plugin, still not watched, registers once more after its back-off.
+    kubelet.keeps_clients, kubelet.forget_delay = True, 0.5
+    running = plugins(_gpu_only(), watch_grace=0.2)
+    first = kubelet.wait_registered("nvidia.com/gpu")
+    kubelet.wait_list(first)
+    kubelet.drop(first)
+    kubelet.wait_for(lambda: kubelet.registers >= 2, "a Register kubelet does nothing with")
+    assert len(kubelet.registrations("nvidia.com/gpu")) == 1
+    again = kubelet.wait_registered("nvidia.com/gpu", count=2)
+    assert _ids(kubelet.wait_list(again)) == [GPU0, GPU2]
+    assert kubelet.wait_for(lambda: running.plugins.ready() is None, "ready again")
+
+
+def test_a_resource_kubelet_watches_is_not_registered_again(kubelet, plugins) -> None:
+    running = plugins(_gpu_only(), watch_grace=0.2)
+    kubelet.wait_list(kubelet.wait_registered("nvidia.com/gpu"))
+    assert kubelet.wait_for(lambda: kubelet.registers > 1, "another Register",
+                            timeout=1.0, fail=False) is None
+    assert running.plugins.registered() == {"nvidia.com/gpu": True}
+
+
+def test_a_resource_kubelet_stopped_watching_is_not_ready(kubelet, plugins) -> None:
+    kubelet.keeps_clients, kubelet.forget_delay = True, 60.0  # it never forgets it
+    running = plugins(_gpu_only(), watch_grace=0.2)
+    first = kubelet.wait_registered("nvidia.com/gpu")
+    kubelet.wait_list(first)
+    kubelet.drop(first)
+    why = "not registered with kubelet, or not watched by it: nvidia.com/gpu"
+    kubelet.wait_for(lambda: running.plugins.ready() == why,
+                     "readiness to name the resource kubelet left")
+    assert running.plugins.registered() == {"nvidia.com/gpu": False}
