@@ -240,7 +240,7 @@ class Engine:
                 log.info("grant_replaced", container_id=g.container_id, container=g.name,
                          by=plan.grant.container_id,
                          reason="a new create of the same pod sandbox and container name")
-        return bool(replaced or plan.grant.exclusive or plan.grant.shared)
+        return bool(replaced) or plan.grant.holds
 
     def release(self, container_id: str) -> Grant | None:
         """Forget what `container_id` holds (StopContainer, RemoveContainer)."""

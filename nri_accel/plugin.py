@@ -246,7 +246,7 @@ class AccelPlugin:
         at once: after a restart it is synchronised again, and reads the grant back from
         the container's annotations (the write, off the event loop, costs a create
         0.2-0.6 ms)."""
-        if await saved or not (plan.grant.exclusive or plan.grant.shared):
+        if await saved or not plan.grant.holds:
             self._answered(info, plan, started)
             return result
         self.engine.release(info.container_id)

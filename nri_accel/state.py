@@ -103,6 +103,11 @@ class Grant(Struct, frozen=True):
     left MIG mode) still ties its whole, whose device node the container has."""
 
     @property
+    def holds(self) -> bool:
+        """It holds a device, exclusively or shared (a grant of nothing is not kept)."""
+        return bool(self.exclusive or self.shared)
+
+    @property
     def pod(self) -> str:
         """What names the pod sandbox: the runtime's sandbox id, else the pod's uid. Not
         the uid first: every sandbox kubelet makes for one pod has its uid (a new one
@@ -357,7 +362,7 @@ class Holdings(Struct):
     def _add(self, grant: Grant) -> None:
         if grant.wholes and not all(p in self._whole for p, _ in grant.wholes):
             self._link({**dict(grant.wholes), **self._whole})  # a part no inventory lists
-        if grant.exclusive or grant.shared:
+        if grant.holds:
             self._grants[grant.container_id] = grant
             for key in grant.exclusive:
                 self._holders.setdefault(key, set()).add(grant.container_id)
