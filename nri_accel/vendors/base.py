@@ -78,12 +78,13 @@ edits (pure, over the checked catalog)
       container does not set them); the Engine reads the container's values of these.
   visibility = (variable, value granting nothing)
       The variable a co-installed vendor hook would read (NVIDIA_VISIBLE_DEVICES, "void"):
-      rewritten when the container's env sets it and the family got no device, so no
-      other hook can widen what nri-accel granted. Rewritten, never removed: from NRI
-      v0.10 (containerd 2.x), the runtime drops an adjustment's removal of a variable
-      that no plugin set (pkg/adaptation/result.go, adjustEnv: removals clear other
-      plugins' entries and the plugins' view of the env, only additions reach the
-      spec), so the image's value would stay.
+      rewritten when the container's env sets it (or another variable by which that
+      hook selects devices: NV_GPU, HABANA_VISIBLE_MODULES) and the family got no
+      device, so no other hook can widen what nri-accel granted. Rewritten, never
+      removed: from NRI v0.10 (containerd 2.x), the runtime drops an adjustment's
+      removal of a variable that no plugin set (pkg/adaptation/result.go, adjustEnv:
+      removals clear other plugins' entries and the plugins' view of the env, only
+      additions reach the spec), so the image's value would stay.
 
 device plugin and display
   resources(device, config) -> resource names under which kubelet sees the device
@@ -333,15 +334,19 @@ class VisibleDevicesProfile(Profile):
     """The usual shape of a family asked for through one visibility variable
     (HABANA_VISIBLE_DEVICES, AMD_VISIBLE_DEVICES) whose container env follows from the
     granted devices alone. A subclass sets `visible_var` and `visible_none` (the value
-    that grants nothing, written where nothing is granted) and implements
-    parse_visible() and container_env()."""
+    that grants nothing, written where nothing is granted), optionally `selectors`, and
+    implements parse_visible() and container_env()."""
 
     visible_var: ClassVar[str] = ""
     visible_none: ClassVar[str] = ""
+    selectors: ClassVar[tuple[str, ...]] = ()
+    """Other variables the vendor's runtime selects devices by where `visible_var` is
+    unset. nri-accel grants nothing for them, but one set implies `visible_var`, so that
+    a container granted nothing gets `visible_none` there (the runtime reads it first)."""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        cls.env_names = frozenset({cls.visible_var})
+        cls.env_names = frozenset({cls.visible_var, *cls.selectors})
         cls.visibility = (cls.visible_var, cls.visible_none)
 
     def parse_visible(self, value: str) -> str | tuple[str, ...] | None:
@@ -354,11 +359,12 @@ class VisibleDevicesProfile(Profile):
         raise NotImplementedError
 
     def read_env(self, env: Mapping[str, str]) -> EnvAsk:
-        """Unset asks nothing; a value asking no device still sets the variable
-        (`visible`); a malformed one is a RequestError naming the variable."""
+        """Unset asks nothing (`visible` where a selector is set); a value asking no
+        device still sets the variable (`visible`); a malformed one is a RequestError
+        naming the variable."""
         var = self.visible_var
         if var not in env:
-            return NO_ASK
+            return EnvAsk(visible=True) if any(s in env for s in self.selectors) else NO_ASK
         name = f"env {var}"
         value = env[var]
         try:

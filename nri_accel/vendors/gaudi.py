@@ -2,9 +2,10 @@
 
 Owns: PROFILE (a VisibleDevicesProfile), discover(root) -> Found, parse_visible(value),
 container_env(granted), probe(root) and the family constants (FAMILY, KIND, ENV_VISIBLE,
-VISIBLE_NONE). Imports the standard library, msgspec, nri_accel.errors, nri_accel.inventory,
-nri_accel.log, nri_accel.syntax, nri_accel.discover.{base,hostroot,kernel,probe} and
-nri_accel.vendors.base. No ioctl, no hlml.
+ENV_MODULES, ENV_PCI_BUS_IDS, VISIBLE_NONE). Imports the standard library, msgspec,
+nri_accel.errors, nri_accel.inventory, nri_accel.log, nri_accel.syntax,
+nri_accel.discover.{base,hostroot,kernel,probe} and nri_accel.vendors.base. No ioctl,
+no hlml.
 
 Facts it relies on (sources: repository + path):
 
@@ -55,6 +56,13 @@ Facts it relies on (sources: repository + path):
   decimal indices). The legacy hook reads an empty value and "void" as unset and
   "none" as no device; the runtime has no "none" keyword, but "none" matches no device
   there either, so VISIBLE_NONE = "none" grants nothing under both.
+  The current runtime (HabanaAI/gaudi-container-runtime cmd/habana-container-runtime/
+  specs.go, filterDevicesByENV; main.go, IsHabanaContainer) also selects devices by
+  HABANA_VISIBLE_MODULES (module ids), else HABANA_VISIBLE_PCI_BUS_IDS (pci_addr),
+  where HABANA_VISIBLE_DEVICES is unset or "all". nri-accel grants nothing for those
+  two, but either one set implies HABANA_VISIBLE_DEVICES (PROFILE.selectors): a
+  container granted no Gaudi gets HABANA_VISIBLE_DEVICES=none, which the runtime reads
+  first, so that it mounts nothing either.
   The device plugin (habana_device_plugin.go, Allocate) sets HABANA_VISIBLE_DEVICES to
   the granted indices joined by "," and HABANA_VISIBLE_MODULES to their module ids in
   the same order (the runtime README: "module IDs in the matching order of
@@ -97,6 +105,7 @@ FAMILY = "gaudi"
 KIND = "habana.ai/gaudi"
 ENV_VISIBLE = "HABANA_VISIBLE_DEVICES"
 ENV_MODULES = "HABANA_VISIBLE_MODULES"
+ENV_PCI_BUS_IDS = "HABANA_VISIBLE_PCI_BUS_IDS"
 VISIBLE_NONE = "none"
 
 DRIVER = "habanalabs"  # PCI driver, /proc/devices name of the control major, module name
@@ -389,6 +398,7 @@ class GaudiProfile(VisibleDevicesProfile):
     kinds = (KIND,)
     visible_var = ENV_VISIBLE
     visible_none = VISIBLE_NONE
+    selectors = (ENV_MODULES, ENV_PCI_BUS_IDS)
     parse_visible = staticmethod(parse_visible)
     container_env = staticmethod(container_env)
 

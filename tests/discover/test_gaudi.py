@@ -362,6 +362,22 @@ def test_visible_none_grants_nothing() -> None:
     assert gaudi.parse_visible(gaudi.VISIBLE_NONE) is None
 
 
+@pytest.mark.parametrize("env", [
+    {"HABANA_VISIBLE_MODULES": "5,4,7,6"},
+    {"HABANA_VISIBLE_PCI_BUS_IDS": "0000:4d:00.0"},
+    {"HABANA_VISIBLE_MODULES": ""},
+])
+def test_the_runtimes_other_selectors_imply_the_visibility_variable(
+        env: dict[str, str]) -> None:
+    # The Intel Gaudi container runtime (HabanaAI/gaudi-container-runtime, specs.go,
+    # filterDevicesByENV) mounts the devices these name when HABANA_VISIBLE_DEVICES is
+    # unset: a container granted no Gaudi must get HABANA_VISIBLE_DEVICES=none, which
+    # the runtime reads first, so that it grants nothing either. They ask nothing here.
+    ask = gaudi.PROFILE.read_env(env)
+    assert (ask.visible, ask.sources) == (True, ())
+    assert set(env) <= gaudi.PROFILE.env_names  # the request parser hands them over
+
+
 # ---- container env and the change probe -------------------------------------------------
 
 def _device(name: str, module: str | None, kind: str = gaudi.KIND) -> Device:

@@ -268,6 +268,15 @@ def test_untrusted_image_env_all_grants_nothing_and_says_why(engine):
     assert "not granted" in plan.notes[0]
 
 
+@pytest.mark.parametrize("var", ["HABANA_VISIBLE_MODULES", "HABANA_VISIBLE_PCI_BUS_IDS"])
+def test_an_image_naming_gaudis_by_module_or_pci_bus_id_gets_visible_devices_none(engine, var):
+    # the Intel Gaudi container runtime mounts the devices these name when
+    # HABANA_VISIBLE_DEVICES is unset, and reads HABANA_VISIBLE_DEVICES first
+    plan = admit(engine, container(namespace="sandbox", env=(f"{var}=0,1",)))
+    assert plan.devices == ()
+    assert plan.edits.env == ("HABANA_VISIBLE_DEVICES=none",)
+
+
 @pytest.mark.parametrize("namespace", ["sandbox", "research"])
 def test_a_visibility_variable_defined_twice_is_refused(engine, namespace):
     # containerd's NRI applies an adjustment's value to a variable's first definition and
