@@ -585,6 +585,7 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
         q = d.qualified_name
         parts.append(take(catalog.devices.get(q, _UNCHECKED), q, notes))
         by_family.setdefault(family_of(d.kind).name, []).append(d)
+    own = len(parts)  # parts[:own]: the devices' own edits; then what their families add
 
     env: dict[str, str] = {}
     defaults: dict[str, str] = {}
@@ -626,7 +627,11 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
         elif key not in defaults:
             env.setdefault(key, value)
 
-    hooks = merged.hooks
+    # Hooks in the order CDI applies edits (pkg/cdi cache.go InjectDevices): a family's
+    # (a CDI spec's own edits) before the devices' own. For env, nodes and mounts the
+    # devices' own come first here and win, as they do there by being applied last.
+    hooks = merge_edits(ContainerEdits(hooks=p.hooks)
+                        for p in (*parts[own:], *parts[:own])).hooks
     if catalog.hook_path and lib_dirs:
         hooks = (*hooks, Hook(
             hook_name="createContainer",

@@ -27,7 +27,7 @@ from nri_accel.errors import ConfigError, NriAccelError
 from nri_accel.files import file_kind
 from nri_accel.inventory import ContainerEdits, Device, Inventory
 from nri_accel.vendors import family_of
-from nri_accel.vendors.cdi.spec import generate_specs, render_spec, spec_file_name
+from nri_accel.vendors.cdi.spec import ALL_DEVICE, generate_specs, render_spec, spec_file_name
 
 _COLUMNS = ("KIND", "NAME", "UUID", "PCI", "NUMA", "HEALTH", "MIG", "INFO")
 
@@ -175,7 +175,8 @@ def main_cdi_generate(args: argparse.Namespace) -> int:
                               "not replaced", source=f"--output {args.output}")
     for path, spec in targets:
         _write_atomically(path, render_spec(spec))
-        print(f"wrote {path} ({spec['kind']}, {len(spec['devices'])} devices, "
+        devices = sum(d["name"] != ALL_DEVICE for d in spec["devices"])  # not the composite
+        print(f"wrote {path} ({spec['kind']}, {devices} devices, "
               f"cdiVersion {spec['cdiVersion']})")
     return 0
 

@@ -531,7 +531,7 @@ def test_generate_nvidia_specs() -> None:
     gpu_spec, mig_spec = generate_specs(_nvidia_inventory())
     assert gpu_spec["kind"] == KIND_GPU
     assert gpu_spec["cdiVersion"] == "0.5.0"  # names start with a digit
-    assert [d["name"] for d in gpu_spec["devices"]] == ["0", "1"]
+    assert [d["name"] for d in gpu_spec["devices"]] == ["0", "1", "all"]
     assert gpu_spec["devices"][1]["containerEdits"] == {"deviceNodes": [
         {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1}]}
     shared = gpu_spec["containerEdits"]
@@ -543,6 +543,20 @@ def test_generate_nvidia_specs() -> None:
     assert mig_spec["kind"] == KIND_MIG
     assert [n["path"] for n in mig_spec["devices"][0]["containerEdits"]["deviceNodes"]] == [
         "/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap12"]
+
+
+def test_generated_specs_define_the_composite_all_device() -> None:
+    # For a runtime's own CDI injection `nvidia.com/gpu=all` (Docker's --gpus all, podman
+    # --device nvidia.com/gpu=all) names a device called "all", which the spec must
+    # define: nvidia-ctk and amd-ctk write it, merging every device's edits.
+    gpu_spec, mig_spec = generate_specs(_nvidia_inventory())
+    assert gpu_spec["devices"][-1] == {"name": "all", "containerEdits": {"deviceNodes": [
+        {"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0},
+        {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1}]}}
+    # a MIG device's parent node appears once
+    assert [n["path"] for n in mig_spec["devices"][-1]["containerEdits"]["deviceNodes"]] == [
+        "/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap12"]
+    assert mig_spec["devices"][-1]["name"] == "all"
 
 
 def test_generated_spec_reads_back_to_the_same_devices(tmp_path: Path) -> None:

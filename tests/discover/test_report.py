@@ -83,7 +83,7 @@ def test_cdi_generate_to_stdout_a_directory_or_a_file(
     assert cli_main(["cdi", "generate", "--inventory", str(saved)]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert [(d["kind"], d["cdiVersion"], len(d["devices"])) for d in docs] == [
-        ("nvidia.com/gpu", "0.5.0", 8), ("nvidia.com/mig", "0.5.0", 7)]
+        ("nvidia.com/gpu", "0.5.0", 9), ("nvidia.com/mig", "0.5.0", 8)]  # and "all"
 
     out_dir = tmp_path / "var/run/cdi"
     out_dir.mkdir(parents=True)

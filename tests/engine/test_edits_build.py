@@ -244,6 +244,20 @@ def test_cdi_spec_hooks_only_with_hooks_enabled():
                                 HOOK_ENV, 10),)
 
 
+def test_cdi_spec_hooks_run_before_its_devices_hooks():
+    # pkg/cdi (cache.go InjectDevices) appends a spec's own edits before those of its
+    # devices, and the runtime runs their hooks in that order
+    inv = cdi_inventory(hooks=(
+        Hook("createContainer", "/usr/bin/acme-hook", ("acme-hook", "spec")),))
+    npu0 = inv.devices[0]
+    npu0 = msgspec.structs.replace(npu0, edits=msgspec.structs.replace(npu0.edits, hooks=(
+        Hook("createContainer", "/usr/bin/acme-hook", ("acme-hook", "npu0")),)))
+    inv = Inventory(devices=(npu0, *inv.devices[1:]), drivers=inv.drivers)
+    edits, _ = edits_for(inv, gpu_ids("npu0", kind="acme.example/npu"),
+                         devices=DevicesConfig(hooks=True))
+    assert [h.args for h in edits.hooks] == [("acme-hook", "spec"), ("acme-hook", "npu0")]
+
+
 # ---- other vendors ------------------------------------------------------------------------
 
 def test_cdi_device_gets_its_nodes_env_and_the_spec_edits():

@@ -57,9 +57,11 @@ as written; whether a hook may be emitted is the edits stage's decision.
 
 Writing (`nri-accel cdi generate`): one spec per device kind of each native family
 (NVIDIA, Neuron, ...), each device's edits (a MIG instance's include its parent GPU's
-node) as device edits, and as spec edits the driver files its family adds for the
-default request (NVIDIA: the driver's "" edits plus utility and compute, the default of
-NVIDIA_DRIVER_CAPABILITIES). `cdiVersion` is the lowest
+node) as device edits, plus the composite device `all` with all of them merged (a
+runtime's own CDI injection resolves `nvidia.com/gpu=all` to a device of that name, as
+nvidia-ctk and amd-ctk write it), and as spec edits the driver files its family adds for
+the default request (NVIDIA: the driver's "" edits plus utility and compute, the default
+of NVIDIA_DRIVER_CAPABILITIES). `cdiVersion` is the lowest
 version the content needs (min_version; 0.5.0 for names such as "0"), not the newest:
 containerd 1.7 and CRI-O 1.26 ship CDI libraries that reject versions newer than they
 know, and every version from 0.5.0 is accepted by both.
@@ -126,6 +128,7 @@ MAX_SPEC_DEVICES = 1024  # per file: the rest are left out with a Problem
 MAX_SPEC_FILES = 1024  # in all the spec directories: the rest are not read (a Problem)
 CACHE_NODES = 500_000  # parsed specs kept between discoveries, counted in nodes
 MAX_SHOWN = 64  # characters of a spec's value quoted in a message
+ALL_DEVICE = "all"  # the composite device, every device of the spec's kind
 HOOK_NAMES = frozenset({"prestart", "createRuntime", "createContainer", "startContainer",
                         "poststart", "poststop"})
 
@@ -428,7 +431,7 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
 
     devices: list[Device] = []
     for name, edits, where in parsed:
-        if name == "all":
+        if name == ALL_DEVICE:
             log.debug("cdi_composite_device_skipped", path=host_path, device=f"{kind}={name}")
             continue
         if edits.refused:
@@ -851,9 +854,10 @@ def min_version(spec: Mapping[str, Any]) -> str:
 
 def generate_specs(inventory: Inventory) -> list[dict[str, Any]]:
     """One CDI spec (raw form, ready for render_spec) per device kind of each native
-    family: its devices' own edits as device edits, and as spec edits what its profile
-    adds for them with the default request (NVIDIA: the driver's shared files plus
-    utility and compute, the default of NVIDIA_DRIVER_CAPABILITIES)."""
+    family: its devices' own edits as device edits, the device `all` merging them, and
+    as spec edits what its profile adds for them with the default request (NVIDIA: the
+    driver's shared files plus utility and compute, the default of
+    NVIDIA_DRIVER_CAPABILITIES)."""
     from nri_accel.vendors import PROFILES
     from nri_accel.vendors.base import NO_ASK, Checked, DriverFiles
 
@@ -871,6 +875,9 @@ def generate_specs(inventory: Inventory) -> list[dict[str, Any]]:
                 continue
             raw_devices = [{"name": d.name, "containerEdits": _edits_to_raw(d.edits)}
                            for d in devices]
+            if all(d.name != ALL_DEVICE for d in devices):
+                raw_devices.append({"name": ALL_DEVICE, "containerEdits": _edits_to_raw(
+                    merge_edits(d.edits for d in devices))})
             added = profile.edits(devices, profile.settings(NO_ASK, None), False, files)
             shared = merge_edits(added.parts)
             spec: dict[str, Any] = {"cdiVersion": "", "kind": kind, "devices": raw_devices}
