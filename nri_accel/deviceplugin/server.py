@@ -27,6 +27,25 @@ kubelet watches it: a Register kubelet answers but never follows with a stream (
 that came while it still held its client for the resource, which some kubelets keep
 instead of connecting anew, until they handle the old stream's end) is made again.
 
+A registration never follows the end of a stream to the same kubelet by less than
+REGISTER_SETTLE (1 s): the socket served again where it was removed with kubelet.sock
+unchanged, and the first registrations after waiting for the directory lock (the
+other plugin's streams just ended). kubelet handles a stream's end in a goroutine of
+its own (kubernetes/kubernetes pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go,
+runClient: once client.go's Run returns, disconnectClient), and what it does then is
+keyed by the resource name alone (manager.go, PluginDisconnected: the resource's
+endpoint of that moment is marked stopped, its devices Unhealthy). Landing after the
+new registration, that teardown disconnects the new client (kubelets that hold one
+client per resource: handler.go getClient(name)), or marks the new endpoint stopped
+while its stream stays open (kubelets that hold a list per socket path): endpoint.go
+then refuses every Allocate and PreStartContainer ("endpoint stopped"), GetCapacity
+drops the resource after 5 minutes, and the plugin, watched, would never register
+again. The socket keeps its name: a fresh name per registration would not help
+(PluginDisconnected ignores the socket), and kubelets that hold one client per
+resource refuse a Register naming another socket than the one they hold ("already
+registered with a different socket path"). A new kubelet (kubelet.sock recreated)
+holds no client: it is registered with at once.
+
 One device plugin per kubelet directory: it holds an exclusive flock on the directory
 itself from start to stop (DevicePlugins._lock_directory). A second one (a DaemonSet
 rolling update starts the new pod while the old one still terminates) waits for it,
@@ -125,6 +144,9 @@ _MAX_RETRY_DELAY = 30.0  # seconds between registration attempts at most
 # Seconds a registered resource may go without a ListAndWatch stream before it registers
 # again: kubelet opens one right after Register answers.
 WATCH_GRACE = 10.0
+# Seconds between the end of a resource's stream to a kubelet and its next Register with
+# that kubelet: time for kubelet to handle the end first (see the module docstring).
+REGISTER_SETTLE = 1.0
 # pre_start_required: kubelet calls PreStartContainer before each container start,
 # where the plugin fails closed once more (see the module docstring).
 _OPTIONS = pb2.DevicePluginOptions(
@@ -332,6 +354,8 @@ class _Endpoint:
         # Loop time since when no ListAndWatch stream is open (None: one is), looked at
         # while registered (DevicePlugins._check).
         self.unwatched_since: float | None = None
+        # (kubelet.sock registered with, loop time) when the last stream ended.
+        self.stream_ended: tuple[_SocketId, float] | None = None
         self.failures = 0  # registrations in a row that failed or that kubelet never watched
         self.retry_at = 0.0
         self._server: grpc.aio.Server | None = None
@@ -428,6 +452,8 @@ class _Endpoint:
             if not self._streams:
                 self._drained.set()
                 self.unwatched_since = asyncio.get_running_loop().time()
+                if self.registered_with is not None:
+                    self.stream_ended = (self.registered_with, self.unwatched_since)
 
     async def close(self, grace: float) -> None:
         """End ListAndWatch streams once each has sent the last change (the emptied
@@ -473,7 +499,8 @@ class DevicePlugins:
                  state_dir: str | None = None,
                  recorders: Mapping[str, RequestRecorder] | None = None,
                  poll_interval: float = 1.0, register_timeout: float = 5.0,
-                 grace: float = 1.0, watch_grace: float = WATCH_GRACE) -> None:
+                 grace: float = 1.0, watch_grace: float = WATCH_GRACE,
+                 settle: float = REGISTER_SETTLE) -> None:
         self._inventory = inventory
         self._dir = os.path.abspath(kubelet_dir)
         self._kubelet_socket = os.path.join(self._dir, KUBELET_SOCKET)
@@ -485,6 +512,8 @@ class DevicePlugins:
         self._register_timeout = register_timeout
         self._grace = grace
         self._watch_grace = watch_grace
+        self._settle = settle
+        self._handoff_at: float | None = None  # loop time the directory lock was taken over
         self._endpoints: dict[str, _Endpoint] = {}
         self._kubelet: _SocketId | None = None
         self._lock = asyncio.Lock()
@@ -597,6 +626,7 @@ class DevicePlugins:
             self._waiting = False
         self._dir_fd = fd
         if since is not None:
+            self._handoff_at = asyncio.get_running_loop().time()
             log.info("kubelet_dir_acquired", directory=self._dir,
                      waited=round(time.monotonic() - since, 1))
 
@@ -730,7 +760,7 @@ class DevicePlugins:
                 continue
             if ep.registered_with == kubelet and self._unwatched(ep, now):
                 continue
-            if ep.registered_with != kubelet:
+            if ep.registered_with != kubelet and not self._settling(ep, kubelet, now):
                 to_register.append(ep)
         await asyncio.gather(*(self._register(ep, kubelet, now) for ep in to_register))
 
@@ -748,6 +778,15 @@ class DevicePlugins:
         if not ep.watched:  # kubelet opens its stream right after the answer
             ep.unwatched_since = asyncio.get_running_loop().time()
         log.info("registered", resource=ep.resource.name, endpoint=ep.resource.endpoint)
+
+    def _settling(self, ep: _Endpoint, kubelet: _SocketId, now: float) -> bool:
+        """True while kubelet may still be handling the end of a stream of `ep`'s
+        resource (its own, or the other plugin's before the directory lock was taken
+        over): its Register waits (see the module docstring)."""
+        ended = ep.stream_ended
+        if ended is not None and ended[0] == kubelet and now - ended[1] < self._settle:
+            return True
+        return self._handoff_at is not None and now - self._handoff_at < self._settle
 
     def _unwatched(self, ep: _Endpoint, now: float) -> bool:
         """True, and the registration dropped to be made again after a back-off, when

@@ -11,7 +11,7 @@ keeps the state record the device plugin reads fresh, as `run` does, until a tes
 makes it unregister, go silent or vanish.
 `plugins`: starts DevicePlugins on a background asyncio loop, as `nri-accel
 device-plugin` runs it, with a 50 ms poll and `nri_side`'s state directory (and the
-default 10 s watch grace unless a test sets one); stopped at teardown.
+default 10 s watch grace and 1 s register settle unless a test sets them); stopped at teardown.
 `quiet_servers` (every test): the plugins' log lines are kept in memory, not printed.
 """
 
@@ -33,7 +33,7 @@ from structlog.testing import capture_logs
 from nri_accel.config import Config, StaticDevice
 from nri_accel.container import ContainerInfo
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
-from nri_accel.deviceplugin.server import DevicePlugins
+from nri_accel.deviceplugin.server import REGISTER_SETTLE, DevicePlugins
 from nri_accel.inventory import Device, Inventory
 from nri_accel.state import NRI_STATUS_FILE, NriStatus, boottime
 from nri_accel.vendors.neuron import KIND as KIND_NEURON
@@ -274,10 +274,11 @@ def plugins(short_dir: str, nri_side: FakeNriSide) -> Iterator[Callable[..., Run
     started: list[RunningPlugins] = []
 
     def start(inventory: Inventory | None = None, config: Config = NODE_CONFIG,
-              directory: str = short_dir, watch_grace: float = 10.0) -> RunningPlugins:
+              directory: str = short_dir, watch_grace: float = 10.0,
+              settle: float = REGISTER_SETTLE) -> RunningPlugins:
         p = DevicePlugins(inventory if inventory is not None else node_inventory(), directory,
                           config=config, state_dir=nri_side.state_dir, poll_interval=0.05,
-                          grace=0.5, watch_grace=watch_grace)
+                          grace=0.5, watch_grace=watch_grace, settle=settle)
         running = RunningPlugins(p)
         started.append(running)
         return running

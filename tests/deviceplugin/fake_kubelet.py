@@ -19,6 +19,13 @@ it holds its client for a resource as the kubelets that deduplicate registration
 (handler.go connectClient: a Register naming the socket of a client it holds is
 answered and does nothing), until `forget_delay` seconds after that client's stream
 ended (the time runClient takes to get to the disconnect).
+With `disconnects_by_resource`, it hands a stream's end on as manager.go's
+PluginDisconnected does, by resource name alone, `forget_delay` seconds after it: the
+resource's newest connection then (the one a later Register made, if any) is marked
+`stopped`, as the endpoint kubelet refuses Allocate and PreStartContainer on
+(endpoint.go: "endpoint stopped"), its stream left open (the kubelets holding a list of
+clients per socket path: handler.go registerClient appends, runClient disconnects the
+old client, found by its socket path).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class PluginConnection:
     options: pb2.DevicePluginOptions | None = None
     lists: list[pb2.ListAndWatchResponse] = field(default_factory=list)
     ended: bool = False  # the ListAndWatch stream finished or failed
+    stopped: bool = False  # PluginDisconnected marked it (see disconnects_by_resource)
     channel: grpc.Channel | None = None
 
 
@@ -63,6 +71,7 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
         self.refuse_next: list[grpc.StatusCode] = []
         self.keeps_clients = False
         self.forget_delay = 0.0
+        self.disconnects_by_resource = False
         self.registers = 0  # Register calls answered, those that did nothing included
         self._clients: dict[str, PluginConnection] = {}  # resource -> the one held
         self._server: grpc.Server | None = None
@@ -161,7 +170,11 @@ class FakeKubelet(pb2_grpc.RegistrationServicer):
             self._cond.notify_all()
         with self._cond:
             self._cond.wait_for(lambda: self._stopping, self.forget_delay)
-            if self._clients.get(conn.request.resource_name) is conn:
+            newest = self._clients.get(conn.request.resource_name)
+            if self.disconnects_by_resource and newest is not None and not self._stopping:
+                newest.stopped = True
+                self._cond.notify_all()
+            if newest is conn:
                 del self._clients[conn.request.resource_name]
 
     def drop(self, conn: PluginConnection) -> None:

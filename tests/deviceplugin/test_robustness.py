@@ -201,13 +201,33 @@ def test_a_second_plugin_waits_for_the_first_and_never_takes_its_sockets(
             first.call(first.plugins.tick())
         assert kubelet.registrations("nvidia.com/gpu") == [gpu]
         assert first.plugins.ready() is None
-        first.stop()  # the old pod ends: the second takes over at once
+        first.stop()  # the old pod ends: the second takes over
         again = kubelet.wait_registered("nvidia.com/gpu", count=2)
         assert [d.ID for d in kubelet.wait_list(again).devices] == [GPU0, GPU2]
         kubelet.wait_for(lambda: second.plugins.ready() is None, "the second one is ready")
     busy = [e for e in logs if e["event"] == "kubelet_dir_busy"]
     assert len(busy) == 1 and busy[0]["other_pids"] == [os.getpid()]
     assert [e["event"] for e in logs].count("kubelet_dir_acquired") == 1
+
+
+def test_a_plugin_taking_over_registers_after_kubelet_handled_the_first_ones_streams(
+        kubelet, plugins) -> None:
+    # kubelet hands the first plugin's stream ends on by resource name, a little later
+    # (manager.go PluginDisconnected): a Register before that has its new endpoint
+    # marked stopped, every Allocate refused while its stream stays open.
+    kubelet.disconnects_by_resource, kubelet.forget_delay = True, 0.3
+    first = plugins()
+    gpu = kubelet.wait_registered("nvidia.com/gpu")
+    kubelet.wait_list(gpu)
+    second = plugins()
+    kubelet.wait_for(lambda: second.plugins.ready() is not None
+                     and "waiting" in second.plugins.ready(), "the second one waits")
+    first.stop()
+    again = kubelet.wait_registered("nvidia.com/gpu", count=2)
+    kubelet.wait_for(lambda: gpu.stopped or again.stopped,
+                     "kubelet to hand the first plugin's stream end on")
+    assert gpu.stopped and not again.stopped
+    assert [d.ID for d in kubelet.wait_list(again).devices] == [GPU0, GPU2]
 
 
 def test_a_live_socket_of_a_process_without_the_lock_is_not_taken_over(kubelet,

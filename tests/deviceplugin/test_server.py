@@ -366,8 +366,9 @@ def test_a_register_kubelet_never_follows_with_a_stream_is_made_again(kubelet,
                                                                       plugins) -> None:
     # A kubelet that holds its client for the resource until it has handled the old
     # stream's end answers the first Register after the drop and does nothing: the
-    # plugin, still not watched, registers once more after its back-off.
-    kubelet.keeps_clients, kubelet.forget_delay = True, 0.5
+    # plugin, still not watched, registers once more after its back-off. (Here kubelet
+    # takes longer than the plugin's register settle, 1 s, to handle the end.)
+    kubelet.keeps_clients, kubelet.forget_delay = True, 2.0
     running = plugins(_gpu_only(), watch_grace=0.2)
     first = kubelet.wait_registered("nvidia.com/gpu")
     kubelet.wait_list(first)
@@ -377,6 +378,33 @@ def test_a_register_kubelet_never_follows_with_a_stream_is_made_again(kubelet,
     again = kubelet.wait_registered("nvidia.com/gpu", count=2)
     assert _ids(kubelet.wait_list(again)) == [GPU0, GPU2]
     assert kubelet.wait_for(lambda: running.plugins.ready() is None, "ready again")
+
+
+def test_a_socket_served_again_registers_after_kubelet_handled_the_old_stream(
+        kubelet, plugins) -> None:
+    # kubelet hands the old stream's end on by resource name, a little later
+    # (manager.go PluginDisconnected): a Register before that has its new endpoint
+    # marked stopped, every Allocate refused while its stream stays open.
+    kubelet.disconnects_by_resource, kubelet.forget_delay = True, 0.3
+    plugins(_gpu_only())
+    first = kubelet.wait_registered("nvidia.com/gpu")
+    kubelet.wait_list(first)
+    os.unlink(os.path.join(kubelet.directory, first.request.endpoint))  # same kubelet
+    again = kubelet.wait_registered("nvidia.com/gpu", count=2)
+    assert again.request.endpoint == first.request.endpoint
+    kubelet.wait_for(lambda: first.stopped or again.stopped,
+                     "kubelet to hand the first stream's end on")
+    assert first.stopped and not again.stopped
+    assert _ids(kubelet.wait_list(again)) == [GPU0, GPU2]
+
+
+def test_a_new_kubelet_is_registered_with_at_once(kubelet, plugins) -> None:
+    # A kubelet that has just started holds no client to hand on: no settle time.
+    plugins(_gpu_only(), settle=60.0)
+    kubelet.wait_list(kubelet.wait_registered("nvidia.com/gpu"))
+    kubelet.restart()
+    again = kubelet.wait_registered("nvidia.com/gpu", count=2)
+    assert _ids(kubelet.wait_list(again)) == [GPU0, GPU2]
 
 
 def test_a_resource_kubelet_watches_is_not_registered_again(kubelet, plugins) -> None:
