@@ -14,8 +14,9 @@ its NRI socket, and these only warn.
 Upstream facts this relies on:
 
 containerd, section [plugins."io.containerd.nri.v1.nri"] (config version 2: containerd
-1.7, pkg/nri/config.go; version 3: 2.x, internal/nri/config.go; version 1, or no version
-key, names it by the plugin's short ID: [plugins.nri]):
+1.7, pkg/nri/config.go; version 3: 2.x, internal/nri/config.go; in 1.7, version 1, or
+no version key, names it by the plugin's short ID, [plugins.nri]; 2.x reads the URI name
+in a file of any version, and never [plugins.nri]):
   disable                      1.7: true (NRI off), 2.x: false
   disable_connections          false; true: no socket at all, only plugins the runtime
                                launches from plugin_path (nri pkg/adaptation startListener)
@@ -24,7 +25,9 @@ key, names it by the plugin's short ID: [plugins.nri]):
                                start (adaptation discoverPlugins; a non-executable entry
                                is skipped, an executable one not named NN-name fails them)
   plugin_config_path           "/etc/nri/conf.d"
-  plugin_registration_timeout  "5s" (Go duration; 0 = the default)
+  plugin_registration_timeout  "5s" (Go duration; 0 = the default, a negative one is
+                               used as it is: every registration times out at once;
+                               pkg/nri/config.go ConfigureTimeouts)
   plugin_request_timeout       "2s": a plugin that does not answer in time is dropped
                                and the event goes on without it (adaptation isFatalError)
   [...default_validator]       2.2+ (nri plugins/default-validator): enable (false),
@@ -33,7 +36,8 @@ key, names it by the plugin's short ID: [plugins.nri]):
                                tolerate_missing_plugins_annotation ("")
   The main file is /etc/containerd/config.toml (k3s and RKE2 write theirs under
   /var/lib/rancher/{k3s,rke2}/agent/etc/containerd/). Its `imports` (paths, or globs
-  with "*"; relative to the importing file) are read after it, breadth first; a plugin
+  with "*"; relative to the importing file) are read after it, breadth first (2.x does
+  not start when one states a higher `version` than the first file that states one); a plugin
   section in an import replaces the whole section in 1.7 and is merged key by key in
   2.x (server config mergeConfig).
 CRI-O, section [crio.nri] (internal/config/nri/nri.go, docs/crio.conf.5.md):
@@ -173,9 +177,10 @@ class NriView(Struct, frozen=True):
 
 def read_containerd(root: HostRoot, *, merge: bool | None = None) -> RuntimeFiles | None:
     """containerd's NRI section from its main file and every file it imports; None when
-    no main file exists. `merge`: True merges an imported section key by key (2.x),
-    False lets it replace the whole section (1.7); None decides by the main file's
-    version (3: 2.x, else 1.7)."""
+    no main file exists. `merge`: True reads the files as containerd 2.x does (an
+    imported section merged key by key, the section named by URI only), False as 1.7
+    does (an imported section replaces the whole section; [plugins.nri] under config
+    version 1); None decides by the main file's version (3: 2.x, else 1.7)."""
     main = next((p for p in CONTAINERD_CONFIGS if root.exists(p)), None)
     if main is None:
         return None
@@ -186,6 +191,10 @@ def read_containerd(root: HostRoot, *, merge: bool | None = None) -> RuntimeFile
     loaded: set[str] = set()
     main_version = 1
     uri_in_v1: list[str] = []
+    # containerd 2.x refuses to start when a file states a higher version than the first
+    # one that states any (cmd/containerd/server/config/config.go LoadConfigWithPlugins:
+    # "drop-in config version %d higher than root config version %d"); 1.7 does not.
+    root_version, may_be_2x = 0, merge is not False
     while pending:
         path, parent = pending.pop(0)
         if path in loaded:  # containerd skips a file it already read (import cycles)
@@ -204,20 +213,29 @@ def read_containerd(root: HostRoot, *, merge: bool | None = None) -> RuntimeFile
         if not isinstance(version, int) or isinstance(version, bool):
             problems.append(f"{path}: version = {version!r} is not a number")
             version = 1
+        stated = version if "version" in data else 0
+        if may_be_2x and root_version and stated > root_version:
+            problems.append(f"{path}: version = {stated} is higher than the root config's "
+                            f"version {root_version}: containerd 2.x does not start (\"drop-in "
+                            f"config version {stated} higher than root config version "
+                            f"{root_version}\"): migrate the root config (`containerd config "
+                            f"migrate`) or write this file for version {root_version}")
+        root_version = root_version or stated
         if path == main:
             main_version = version
-        section, by_uri, problem = _containerd_section(data, path, main_version)
+            if merge is None:
+                merge = main_version >= 3
+        section, by_uri, problem = _containerd_section(data, path, main_version,
+                                                       merge is True)
         if problem:
             problems.append(problem)
         if section is not None:
             sections.append((path, section))
-            if by_uri and main_version < 2:
+            if by_uri and main_version < 2 and not merge:
                 uri_in_v1.append(path)
         imports, import_problems = _imports(root, path, data.get("imports", []))
         problems += import_problems
         pending += [(p, path) for p in imports]
-    if merge is None:
-        merge = main_version >= 3
     values: dict[str, tuple[Any, str]] = {}
     for path, section in sections:
         flat = {k: (v, path) for k, v in _flatten(section)}
@@ -276,17 +294,23 @@ def _load_toml(root: HostRoot, path: str) -> tuple[dict[str, Any] | None, str]:
                       "its NRI settings are not checked")
 
 
-def _containerd_section(data: Mapping[str, Any], path: str,
-                        main_version: int) -> tuple[dict[str, Any] | None, bool, str]:
-    """(the NRI section of one file, whether it is named by URI, a problem)."""
+def _containerd_section(data: Mapping[str, Any], path: str, main_version: int,
+                        v2x: bool) -> tuple[dict[str, Any] | None, bool, str]:
+    """(the NRI section of one file, whether it is named by URI, a problem). `v2x`: read
+    as containerd 2.x does, which migrates every file below version 3 on its own and
+    renames a version 1 file's [plugins.nri] io.containerd.grpc.v1.nri: never the NRI
+    plugin's (containerd cmd/containerd/server/config/config.go, v1MigratePluginName)."""
     plugins = data.get("plugins", {})
     if not isinstance(plugins, dict):
         return None, False, f"{path}: `plugins` is not a table"
     uri, short = plugins.get(CONTAINERD_NRI_URI), plugins.get("nri")
-    if short is not None and main_version >= 2:
+    if short is not None and (v2x or main_version >= 2):
         if uri is None:
-            return None, False, (f"{path}: [plugins.nri] is ignored with config version "
-                                 f"{main_version}: use {CONTAINERD_KEYS.section}")
+            why = (f"with config version {main_version}" if main_version >= 2 else
+                   "by containerd 2.x (it migrates a version 1 file's [plugins.nri] to "
+                   "io.containerd.grpc.v1.nri)")
+            return None, False, (f"{path}: [plugins.nri] is ignored {why}: use "
+                                 f"{CONTAINERD_KEYS.section}")
         short = None
     section = short if short is not None else uri
     if section is not None and not isinstance(section, dict):
@@ -426,7 +450,10 @@ def view(files: RuntimeFiles, version: tuple[int, ...] | None = None) -> NriView
         except ValueError as e:
             problems.append(f"{path}: {k.section} {key}: {e}")
             return default
-        return seconds if seconds > 0 else default  # 0: the runtime keeps its default
+        # 0: the runtime keeps its default; any other value, a negative one too, it uses
+        # (containerd pkg/nri/config.go and CRI-O internal/config/nri/nri.go
+        # ConfigureTimeouts: `if timeout != 0`).
+        return seconds if seconds != 0 else default
 
     if major != 2:
         problems += [f"{path}: {k.section} is read with config version 2 or 3; with "
@@ -542,13 +569,20 @@ def _same_path(root: HostRoot, a: str, b: str) -> bool:
 
 
 def _fmt(seconds: float) -> str:
-    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+    return f"{seconds * 1000:g}ms" if abs(seconds) < 1 else f"{seconds:g}s"
 
 
 def _timeouts(v: NriView, live: Live | None) -> list[Finding]:
     k = v.files.keys
     out: list[Finding] = []
-    if v.request_timeout < MIN_REQUEST_TIMEOUT:
+    for key, seconds in ((k.registration_timeout, v.registration_timeout),
+                         (k.request_timeout, v.request_timeout)):
+        if seconds < 0:  # the runtime's context deadline (or timer) has passed at once
+            src = v.files.values.get(key, (None, ""))[1]
+            out.append(("warn", f"{src}: {key} = {_fmt(seconds)}: negative, {k.runtime} "
+                                "times it out at once and drops every plugin, nri-accel "
+                                "too: containers get no devices"))
+    if 0 <= v.request_timeout < MIN_REQUEST_TIMEOUT:
         src = v.files.values.get(k.request_timeout, (None, ""))[1]
         out.append(("warn", f"{src}: {k.request_timeout} = {_fmt(v.request_timeout)}: below "
                             f"{_fmt(MIN_REQUEST_TIMEOUT)}, a pause on a busy node makes "

@@ -460,6 +460,18 @@ CONFIG_CASES: dict[str, tuple[dict[str, str], list[tuple[str, ...]], list[tuple[
         {CTD: 'version = 3\nimports = ["nri.toml"]\n'},
         [("warn", "/etc/containerd/config.toml imports /etc/containerd/nri.toml, which "
                   "does not exist")], []),
+    "an import of a higher version than the root config's: 2.x does not start": (
+        {CTD: 'version = 2\nimports = ["/etc/containerd/conf.d/*.toml"]\n',
+         "/etc/containerd/conf.d/99-nvidia.toml": "version = 3\n"},
+        [("warn", "/etc/containerd/conf.d/99-nvidia.toml: version = 3 is higher than the "
+                  "root config's version 2: containerd 2.x does not start",
+          "drop-in config version 3 higher than root config version 2")], []),
+    "imports without a version, or of the root config's: no version problem": (
+        {CTD: 'version = 3\nimports = ["/etc/containerd/conf.d/*.toml"]\n',
+         "/etc/containerd/conf.d/10-nri-accel.toml": DEPLOY_CONTAINERD,
+         "/etc/containerd/conf.d/20-same.toml": "version = 3\n",
+         "/etc/containerd/conf.d/30-lower.toml": "version = 2\n"},
+        [("ok", "NRI on")], [("warn", "is higher than")]),
     "an import disables NRI (later files win)": (
         {CTD: f'version = 3\nimports = ["/etc/containerd/conf.d/*.toml"]\n{NRI}\n'
               "  disable = false\n",
@@ -470,6 +482,13 @@ CONFIG_CASES: dict[str, tuple[dict[str, str], list[tuple[str, ...]], list[tuple[
               '  plugin_registration_timeout = "5 seconds"\n'},
         [("warn", "plugin_request_timeout = 500ms: below 1s"),
          ("warn", "plugin_registration_timeout: '5 seconds' is not a duration")], []),
+    "a negative timeout is used as written, not replaced by the default": (
+        # containerd pkg/nri/config.go ConfigureTimeouts: only 0 keeps the default
+        {CTD: f'version = 3\n{NRI}\n  plugin_registration_timeout = "-5s"\n'
+              '  plugin_request_timeout = "-500ms"\n'},
+        [("warn", "plugin_registration_timeout = -5s: negative", "drops every plugin"),
+         ("warn", "plugin_request_timeout = -500ms: negative", "drops every plugin")],
+        [("warn", "below 1s")]),
     "a wrongly typed key": (
         {CTD: f'version = 3\n{NRI}\n  disable = "no"\n'},
         [("warn", "disable = 'no': not a boolean")], []),
@@ -561,6 +580,42 @@ def test_the_running_runtime_decides_version_dependent_defaults(tmp_path) -> Non
     assert has(new, "ok", "NRI on")
     assert has(new, "info", "containerd 2.2+ can refuse every container")
     assert not has(new, "warn")
+
+
+def test_containerd_2x_ignores_plugins_nri_in_a_version_1_file(tmp_path) -> None:
+    # 2.x migrates a version 1 file's [plugins.nri] to io.containerd.grpc.v1.nri
+    # (cmd/containerd/server/config/config.go v1MigratePluginName); 1.7 reads it.
+    write_root(tmp_path, {CTD: "[plugins.nri]\n  disable_connections = true\n"})
+    new = config_findings(tmp_path, live("containerd", "v2.1.4"))
+    assert has(new, "warn", "/etc/containerd/config.toml: [plugins.nri] is ignored by "
+                            "containerd 2.x", f"use {NRI}")
+    assert not has(new, "warn", "disable_connections = true")
+    assert has(new, "ok", "NRI on, external plugins allowed")
+    old = config_findings(tmp_path, live("containerd", "1.7.24"))
+    assert has(old, "warn", "disable_connections = true")
+    assert not has(old, "warn", "[plugins.nri] is ignored")
+
+
+def test_only_containerd_2x_refuses_an_import_of_a_higher_version(tmp_path) -> None:
+    # The root config's version is the first one stated, in load order (a main file
+    # without one takes its first import's).
+    write_root(tmp_path, {
+        CTD: 'imports = ["/etc/containerd/conf.d/*.toml"]\n',
+        "/etc/containerd/conf.d/10.toml": "version = 2\n",
+        "/etc/containerd/conf.d/20.toml": "version = 3\n"})
+    higher = "/etc/containerd/conf.d/20.toml: version = 3 is higher than the root config's"
+    assert has(config_findings(tmp_path, live("containerd", "v2.1.4")), "warn", higher)
+    assert not has(config_findings(tmp_path, live("containerd", "1.7.24")), "warn", higher)
+
+
+def test_containerd_2x_reads_the_uri_section_of_a_version_1_file(tmp_path) -> None:
+    write_root(tmp_path, {CTD: f"{NRI}\n  disable_connections = true\n"})
+    files = rc.read_containerd(HostRoot.at(tmp_path), merge=True)
+    assert files is not None and files.uri_in_v1 == ()
+    assert rc.view(files).connections is False  # no version given: still 2.x's reading
+    found = config_findings(tmp_path, live("containerd", "v2.1.4"))
+    assert has(found, "warn", "disable_connections = true")
+    assert not has(found, "warn", "add version = 2")
 
 
 def test_a_file_timeout_the_runtime_does_not_run_with_is_reported(tmp_path) -> None:
