@@ -217,6 +217,91 @@ def test_graphics_brings_the_vulkan_layer_its_layer_file_names(fake_root: FakeRo
     assert not [k for k in mounts(drv, "compute") if "present" in k]
 
 
+def test_graphics_brings_gbms_nvidia_backend(fake_root: FakeRoot) -> None:
+    # libgbm loads <its dir>/gbm/nvidia-drm_gbm.so, the driver's link to
+    # libnvidia-allocator: graphics alone brings both, the backend where it is
+    root = fake_root("a100-mig")
+    gbm = Path(root.local(f"{X86}/gbm"))
+    gbm.mkdir()
+    (gbm / "nvidia-drm_gbm.so").symlink_to("../libnvidia-allocator.so.1")
+    drv = driver(discover_nvidia(root))
+    graphics = mounts(drv, "graphics")
+    assert graphics[f"{X86}/gbm/nvidia-drm_gbm.so"] == \
+        f"{X86}/libnvidia-allocator.so.550.54.15"
+    assert graphics[f"{LIB}/libnvidia-allocator.so.1"] == \
+        f"{X86}/libnvidia-allocator.so.550.54.15"
+    assert mounts(drv, "display") == graphics
+    assert not [k for k in mounts(drv, "compute") if "gbm/" in k]
+
+
+def test_a_gbm_backend_of_another_driver_is_not_mounted(fake_root: FakeRoot) -> None:
+    # a link left by another driver version, or to anything but the allocator
+    root = fake_root("a100-mig")
+    gbm = Path(root.local(f"{X86}/gbm"))
+    gbm.mkdir()
+    Path(root.local(f"{X86}/libnvidia-allocator.so.535.104.05")).write_bytes(b"")
+    (gbm / "nvidia-drm_gbm.so").symlink_to("../libnvidia-allocator.so.535.104.05")
+    assert not [k for k in mounts(driver(discover_nvidia(root)), "graphics") if "gbm/" in k]
+
+
+def test_graphics_brings_the_vulkan_sc_driver(fake_root: FakeRoot) -> None:
+    # R535 on: the Vulkan SC ICD's library, versioned with the driver
+    root = fake_root("h100")
+    dr, v = "/run/nvidia/driver", "570.124.06"
+    Path(root.local(f"{dr}{X86}/libnvidia-vksc-core.so.{v}")).write_bytes(b"")
+    drv = driver(discover_nvidia(root))
+    assert mounts(drv, "graphics")[f"{LIB}/libnvidia-vksc-core.so.{v}"] == \
+        f"{dr}{X86}/libnvidia-vksc-core.so.{v}"
+    assert not [k for cap in ("compute", "utility", "video")
+                for k in mounts(drv, cap) if "vksc" in k]
+
+
+def test_vulkan_files_are_found_in_the_driver_root_itself_as_gke_installs_them(
+        fake_root: FakeRoot) -> None:
+    # GKE's installer: <driver root>/vulkan/icd.d/nvidia_icd.json, no /etc nor
+    # /usr/share of its own; mounted under /etc all the same. Only Vulkan's files are
+    # looked for there (the toolkit's other graphics files are not).
+    root = fake_root("h100")
+    dr = "/run/nvidia/driver"
+    for name in ("vulkan/icd.d/nvidia_icd.json", "vulkan/implicit_layer.d/nvidia_layers.json",
+                 "glvnd/egl_vendor.d/10_nvidia.json"):
+        f = Path(root.local(f"{dr}/{name}"))
+        f.parent.mkdir(parents=True)
+        f.write_text("{}")
+    graphics = mounts(driver(discover_nvidia(root)), "graphics")
+    assert graphics["/etc/vulkan/icd.d/nvidia_icd.json"] == f"{dr}/vulkan/icd.d/nvidia_icd.json"
+    assert graphics["/etc/vulkan/implicit_layer.d/nvidia_layers.json"] == \
+        f"{dr}/vulkan/implicit_layer.d/nvidia_layers.json"
+    assert not [k for k in graphics if "glvnd" in k]
+
+
+def test_the_driver_root_is_looked_at_for_vulkan_files_after_etc_and_usr_share(
+        fake_root: FakeRoot) -> None:
+    root = fake_root("a100-mig")  # its ICD file is in /usr/share
+    Path(root.local("/vulkan/icd.d")).mkdir(parents=True)
+    Path(root.local("/vulkan/icd.d/nvidia_icd.json")).write_text("{}")
+    assert mounts(driver(discover_nvidia(root)), "graphics")[
+        "/etc/vulkan/icd.d/nvidia_icd.json"] == "/usr/share/vulkan/icd.d/nvidia_icd.json"
+
+
+def test_graphics_files_are_looked_for_in_usr_local_share_before_usr_share(
+        fake_root: FakeRoot) -> None:
+    # the toolkit's config directories: /etc, then XDG_DATA_DIRS' default
+    # /usr/local/share:/usr/share
+    root = fake_root("a100-mig")
+    local = "/usr/local/share"
+    for name in ("glvnd/egl_vendor.d/10_nvidia.json", "vulkan/icd.d/nvidia_layers.json"):
+        f = Path(root.local(f"{local}/{name}"))
+        f.parent.mkdir(parents=True)
+        f.write_text("{}")
+    graphics = mounts(driver(discover_nvidia(root)), "graphics")
+    assert graphics[f"{local}/glvnd/egl_vendor.d/10_nvidia.json"] == \
+        f"{local}/glvnd/egl_vendor.d/10_nvidia.json"
+    assert "/usr/share/glvnd/egl_vendor.d/10_nvidia.json" not in graphics
+    assert graphics["/etc/vulkan/icd.d/nvidia_layers.json"] == \
+        f"{local}/vulkan/icd.d/nvidia_layers.json"
+
+
 def test_a_graphics_file_is_taken_from_etc_first_and_only_as_a_regular_file(
         fake_root: FakeRoot) -> None:
     # the toolkit's order (the driver's /etc, then /usr/share); a directory in its

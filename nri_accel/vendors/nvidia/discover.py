@@ -39,8 +39,10 @@ What it finds:
     graphics    OpenGL/EGL/Vulkan libraries (and the EGL external platforms' own), and
                 the configuration files that make them found: glvnd's EGL vendor
                 file, the EGL external platforms, OptiX's nvoptix.bin, Vulkan's ICD
-                and layer files, X.Org's NVIDIA modules and configuration (the
-                toolkit's graphics modifier; CONFIG_DIRS and XORG_TREES below)
+                and layer files (in the driver root itself too, as GKE has them),
+                GBM's NVIDIA backend and its libnvidia-allocator, X.Org's NVIDIA
+                modules and configuration (the toolkit's graphics modifier;
+                CONFIG_DIRS, VULKAN_CONFIG_DIRS, GBM_BACKEND and XORG_TREES below)
     display     what graphics brings and /dev/nvidia-modeset
     ngx         libnvidia-ngx
     compat32/<capability>  (x86_64 nodes) the 32-bit builds of the libraries
@@ -188,6 +190,11 @@ GRAPHICS_LIBS = (
     # the Vulkan layer that implicit_layer.d/nvidia_layers.json (mounted below) names
     # (R550 on; libnvidia-container's list predates it, nvidia-ctk's CDI mounts it)
     "libnvidia-present.so",
+    # Vulkan SC's driver (R535 on), which the driver's vulkansc/icd.d/nvidia_icd_vksc.json
+    # names; libnvidia-container's list predates it too, and nvidia-ctk's CDI mounts it
+    # with every <name>.so.<driver version> (nvidia-container-toolkit
+    # pkg/nvcdi/driver-nvml.go, getVersionLibs)
+    "libnvidia-vksc-core.so",
     # pre-GLVND drivers ship these with the driver's version; GLVND's own never match it
     "libGL.so", "libEGL.so", "libGLESv1_CM.so", "libGLESv2.so",
 )
@@ -200,7 +207,15 @@ NGX_LIBS = ("libnvidia-ngx.so",)
 # image ships them. GRAPHICS_CONFIGS are mounted where they were found; the Vulkan
 # ICD and layer files under /etc, where the Vulkan loader looks first (an RPM driver
 # names its ICD file after the architecture).
-CONFIG_DIRS = ("/etc", "/usr/share")
+# The directories are the toolkit's driver.Configs() (internal/lookup/root/root.go,
+# configSearchOptions): /etc, then XDG_DATA_DIRS' default, /usr/local/share and
+# /usr/share (this daemon's own XDG_DATA_DIRS says nothing about the host's driver).
+CONFIG_DIRS = ("/etc", "/usr/local/share", "/usr/share")
+# The Vulkan files are looked for in the driver root itself too, after CONFIG_DIRS
+# (graphics.go newVulkanConfigsDiscover: lookup.First(driver.Configs(), driver.Files())):
+# GKE's driver installer puts them at <driver root>/vulkan/icd.d/nvidia_icd.json
+# (driver root /home/kubernetes/bin/nvidia), with no /etc or /usr/share of its own.
+VULKAN_CONFIG_DIRS = (*CONFIG_DIRS, "")
 GRAPHICS_CONFIGS = (
     "glvnd/egl_vendor.d/10_nvidia.json",
     "egl/egl_external_platform.d/15_nvidia_gbm.json",
@@ -228,6 +243,15 @@ XORG_GLX = "libglxserver_nvidia.so"
 # The EGL external platforms' own libraries (their files above load them), versioned
 # apart from the driver (egl-gbm, egl-wayland 1.x): the files their sonames name.
 EGL_PLATFORM_SONAMES = ("libnvidia-egl-gbm.so.1", "libnvidia-egl-wayland.so.1")
+# GBM's NVIDIA backend, which libgbm loads from the gbm/ directory beside it (egl-gbm
+# through it): the driver's link <library directory>/gbm/nvidia-drm_gbm.so ->
+# ../libnvidia-allocator.so.1. The toolkit's graphics modifier takes
+# libnvidia-allocator for graphics and links the backend beside it with a hook
+# (internal/discover/graphics.go, graphicsDriverLibraries); here the link found beside
+# libcuda, resolved to libnvidia-allocator.so.<driver version> (and only to it), is
+# mounted where it is, as X.Org's modules are.
+GBM_BACKEND = "gbm/nvidia-drm_gbm.so"
+ALLOCATOR = "libnvidia-allocator.so"
 # The libraries each capability selects (nvc_info.c match_library_flags through the
 # nvc.c container options: video is OPT_VIDEO_LIBS|OPT_COMPUTE_LIBS, display
 # OPT_DISPLAY|OPT_GRAPHICS_LIBS), whose 32-bit builds compat32 adds.
@@ -746,12 +770,13 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
             out.append(Mount(locator.host_path(leaf), leaf, options=IPC_OPTIONS))
         return out
 
-    def configs(names: Iterable[str], mounted_under: str | None = None) -> list[Mount]:
-        # each name's first file in CONFIG_DIRS, mounted under the directory it was
-        # found in unless `mounted_under` says another
+    def configs(names: Iterable[str], dirs: Iterable[str] = CONFIG_DIRS,
+                mounted_under: str | None = None) -> list[Mount]:
+        # each name's first file in `dirs`, mounted under the directory it was found in
+        # unless `mounted_under` says another
         out = []
         for name in names:
-            found = _first_file(locator, CONFIG_DIRS, name)
+            found = _first_file(locator, dirs, name)
             if found is not None:
                 where, path = found
                 out.append(Mount(locator.host_path(path), f"{mounted_under or where}/{name}"))
@@ -772,7 +797,8 @@ def _capabilities(locator: Locator, version: str, scan: _Scan) -> dict[str, Cont
             "the compute capability cannot run CUDA")))
     vulkan = (*VULKAN_CONFIGS, *filter(None, [VULKAN_ARCH_ICD.get(locator.arch.name)]))
     graphics = (*libs(GRAPHICS_LIBS, locator.arch, LIB_DIR), *by_soname(EGL_PLATFORM_SONAMES),
-                *configs(GRAPHICS_CONFIGS), *configs(vulkan, VULKAN_DIR),
+                *libs((ALLOCATOR,), locator.arch, LIB_DIR), *_gbm_backend(locator, version, cuda),
+                *configs(GRAPHICS_CONFIGS), *configs(vulkan, VULKAN_CONFIG_DIRS, VULKAN_DIR),
                 *_xorg_modules(locator, version, cuda))
     uvm = nodes(
         scan.driver_node("nvidia-uvm", "nvidia-uvm", 0, what="/dev/nvidia-uvm (compute)"),
@@ -850,6 +876,18 @@ def _xorg_modules(locator: Locator, version: str, cuda: str | None) -> list[Moun
             where, path = found
             out += [Mount(locator.host_path(path), f"{where}/{n}") for n in (name, *also)]
     return out
+
+
+def _gbm_backend(locator: Locator, version: str, cuda: str | None) -> list[Mount]:
+    """GBM_BACKEND beside `cuda` (libcuda's path; None: not found), mounted at its own
+    path, where it resolves to this driver's libnvidia-allocator; [] elsewhere."""
+    if cuda is None:
+        return []
+    link = f"{posixpath.dirname(cuda)}/{GBM_BACKEND}"
+    path = locator.regular_file(link)
+    if path is None or posixpath.basename(path) != f"{ALLOCATOR}.{version}":
+        return []
+    return [Mount(locator.host_path(path), link)]
 
 
 def _first_file(locator: Locator, dirs: Iterable[str], name: str) -> tuple[str, str] | None:
