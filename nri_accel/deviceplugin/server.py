@@ -742,6 +742,13 @@ class DevicePlugins:
             elif self._kubelet is not None:
                 log.info("kubelet_restarted", socket=self._kubelet_socket)
             self._kubelet = kubelet
+            if kubelet is not None:
+                # A new kubelet is served and registered with at once, whatever back-off
+                # the one before caused: a stopped kubelet leaves kubelet.sock behind
+                # (devicemanager plugin/v1beta1 server.go Stop), which every registration
+                # tried while the plugin is unwatched fails against.
+                for ep in self._endpoints.values():
+                    ep.failures, ep.retry_at = 0, 0.0
         now = asyncio.get_running_loop().time()
         to_register = []
         for name in sorted(self._endpoints):

@@ -33,7 +33,7 @@ from structlog.testing import capture_logs
 from nri_accel.config import Config, StaticDevice
 from nri_accel.container import ContainerInfo
 from nri_accel.deviceplugin import deviceplugin_pb2 as pb2
-from nri_accel.deviceplugin.server import REGISTER_SETTLE, DevicePlugins
+from nri_accel.deviceplugin.server import REGISTER_SETTLE, WATCH_GRACE, DevicePlugins
 from nri_accel.inventory import Device, Inventory
 from nri_accel.state import NRI_STATUS_FILE, NriStatus, boottime
 from nri_accel.vendors.neuron import KIND as KIND_NEURON
@@ -274,7 +274,7 @@ def plugins(short_dir: str, nri_side: FakeNriSide) -> Iterator[Callable[..., Run
     started: list[RunningPlugins] = []
 
     def start(inventory: Inventory | None = None, config: Config = NODE_CONFIG,
-              directory: str = short_dir, watch_grace: float = 10.0,
+              directory: str = short_dir, watch_grace: float = WATCH_GRACE,
               settle: float = REGISTER_SETTLE) -> RunningPlugins:
         p = DevicePlugins(inventory if inventory is not None else node_inventory(), directory,
                           config=config, state_dir=nri_side.state_dir, poll_interval=0.05,

@@ -425,3 +425,27 @@ def test_a_resource_kubelet_stopped_watching_is_not_ready(kubelet, plugins) -> N
     kubelet.wait_for(lambda: running.plugins.ready() == why,
                      "readiness to name the resource kubelet left")
     assert running.plugins.registered() == {"nvidia.com/gpu": False}
+
+
+def test_a_kubelet_back_after_a_long_absence_is_registered_with_at_once(kubelet,
+                                                                        plugins) -> None:
+    # A stopped kubelet leaves kubelet.sock behind (devicemanager plugin/v1beta1
+    # server.go Stop: "we do not remove the registration socket"): the plugin, no longer
+    # watched, registers again and again against it, backing off. The kubelet that
+    # starts then, a new kubelet.sock, must not wait out that back-off.
+    plugins(_gpu_only(), watch_grace=0.2)
+    kubelet.wait_list(kubelet.wait_registered("nvidia.com/gpu"))
+    with capture_logs() as logs:
+        kubelet.stop()
+        if not os.path.exists(kubelet.socket):  # as kubelet leaves it: no one listens
+            with socket.socket(socket.AF_UNIX) as s:
+                s.bind(kubelet.socket)
+        kubelet.wait_for(lambda: any(e["event"] == "registration_failed"
+                                     and e["retry_in"] >= 3.2 for e in logs),
+                         "the back-off to reach 3.2 s")
+        kubelet.start()
+        again = kubelet.wait_for(lambda: len(kubelet.registrations("nvidia.com/gpu")) >= 2,
+                                 "registration with the new kubelet", timeout=1.5, fail=False)
+    assert again, "the new kubelet waited for the back-off the old one caused"
+    assert _ids(kubelet.wait_list(kubelet.wait_registered("nvidia.com/gpu", count=2))) == [
+        GPU0, GPU2]
