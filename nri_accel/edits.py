@@ -48,7 +48,8 @@ inventory JSON may not; THE rules, which CDI spec loading and static devices cal
   allow-listed options (size=, mode=, ..., rw or ro) and always carries nosuid, nodev.
   No mount lands on / or under /proc, /sys or a runtime socket's directory (a read-only
   bind of a socket still lets a process connect to it);
-- inventory env may not set LD_PRELOAD or LD_AUDIT.
+- inventory env may not set LD_PRELOAD or LD_AUDIT, nor a name starting with "-" (in
+  an NRI adjustment, the removal of the variable so named).
 An edit breaking these is refused when a container needs it, with an AllocationError
 naming the device or capability; other containers are unaffected. Device nodes and mounts
 already in the container spec are not emitted again (two NRI plugins setting one path
@@ -322,6 +323,12 @@ def check_env(kv: str) -> None:
     key, sep, _ = kv.partition("=")
     if not sep or not key or "\0" in kv:
         raise UnsafeEdit(f"env entry {kv[:64]!r} is not KEY=VALUE")
+    # In an adjustment a key starting with "-" removes the variable instead of setting
+    # it (containerd/nri pkg/api, IsMarkedForRemoval, as pkg/adaptation/result.go and
+    # pkg/runtime-tools/generate/generate.go AdjustEnv read it)
+    if key.startswith("-"):
+        raise UnsafeEdit(f"env {key[:64]}: a name starting with '-' would remove "
+                         f"{key[1:65]!r} from the container instead of setting it")
     if key in FORBIDDEN_ENV:
         raise UnsafeEdit(f"env {key} may not be set by nri-accel")
 
@@ -627,9 +634,11 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
         elif key not in defaults:
             env.setdefault(key, value)
 
-    # Hooks in the order CDI applies edits (pkg/cdi cache.go InjectDevices): a family's
-    # (a CDI spec's own edits) before the devices' own. For env, nodes and mounts the
-    # devices' own come first here and win, as they do there by being applied last.
+    # Hooks as CDI orders them for devices of one spec (pkg/cdi cache.go InjectDevices):
+    # the families' (a CDI spec's own edits) before the devices' own. With devices of
+    # two specs, CDI interleaves them spec by spec (A's, A's devices', B's, ...); here
+    # both specs' come first. For env, nodes and mounts the devices' own come first
+    # here and win, as they do there by being applied last.
     hooks = merge_edits(ContainerEdits(hooks=p.hooks)
                         for p in (*parts[own:], *parts[:own])).hooks
     if catalog.hook_path and lib_dirs:

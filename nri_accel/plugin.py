@@ -1,19 +1,21 @@
 """The nri-accel NRI plugin: the handlers that wire the runtime to the Engine, and `run`.
 
 Owns: AccelPlugin (Synchronize -> Engine.grants_in and restore_grants, CreateContainer
--> Engine.plan -> adjustment -> size check -> Engine.commit, StopContainer/RemoveContainer and
-Stop/RemovePodSandbox -> release, Configure -> a warning when the runtime hands over a
-plugin configuration; the canonical log line of each CreateContainer that asks; each request
-counted and timed for the metrics) and main_run (the `nri-accel run` daemon: the App,
-the grant checkpoint, the state shared with the device plugin, the refresher, the
-families' health watches (on a discovered node an unhealthy device is granted to no
-new container), the metrics server when an address is given, and the stub). Imports
-nri_accel.app, nri_accel.config, nri_accel.container, nri_accel.engine,
-nri_accel.errors, nri_accel.health, nri_accel.inventory, nri_accel.log,
-nri_accel.metrics (nri_accel.metrics.server, with prometheus-client, only when metrics
-are on), nri_accel.request (the grant annotation keys, and the annotation keys and env
-entries it reads), nri_accel.state, nri_accel.ttrpc (the message size limit) and
-nri_accel.nri (stub, adjust, convert).
+-> Engine.plan -> adjustment -> size check -> Engine.commit,
+StopContainer/RemoveContainer and Stop/RemovePodSandbox -> release, Configure -> a
+warning when the runtime hands over a plugin configuration, and whether it drops an
+adjustment's CDI names (a create handing it some is then refused: drops_cdi_devices);
+the canonical log line of each CreateContainer that asks; each request counted and timed
+for the metrics) and main_run (the `nri-accel run` daemon: the App, the grant
+checkpoint, the state shared with the device plugin, the refresher, the families' health
+watches (on a discovered node an unhealthy device is granted to no new container), the
+metrics server when an address is given, and the stub). Imports nri_accel.app,
+nri_accel.config, nri_accel.container, nri_accel.engine, nri_accel.errors,
+nri_accel.health, nri_accel.inventory, nri_accel.log, nri_accel.metrics
+(nri_accel.metrics.server, with prometheus-client, only when metrics are on),
+nri_accel.request (the grant annotation keys, and the annotation keys and env entries it
+reads), nri_accel.state, nri_accel.ttrpc (the message size limit) and nri_accel.nri
+(stub, adjust, convert).
 
 Most containers on a node ask for nothing: a CreateContainer whose pod and container
 carry no annotation key and no env entry the request parser reads, and whose creation
@@ -41,6 +43,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterator
@@ -117,13 +120,17 @@ class AccelPlugin:
                                                         ENV_SCOPE, engine.holds,
                                                         self._asked_nothing)}
         self._synchronized = False  # a runtime that synchronises this plugin once does again
+        self._cdi_dropped_by = ""  # the runtime, where it drops CDI names (drops_cdi_devices)
 
     def configure(self, config: str, runtime_name: str, runtime_version: str) -> None:
         """Configure carries the runtime's plugin configuration: for a plugin it launches,
         the text of its drop-in (plugin_config_path, /etc/nri/conf.d/NN-name.conf or
         name.conf). It arrives after discovery and the Engine were built from --config,
         so nri-accel does not apply it; it says so instead of dropping it silently.
-        Returns None: the subscription follows the handlers."""
+        Returns None: the subscription follows the handlers. It also learns whether the
+        runtime applies the CDI device names of an adjustment (drops_cdi_devices)."""
+        self._cdi_dropped_by = (f"{runtime_name} {runtime_version}"
+                                if drops_cdi_devices(runtime_name, runtime_version) else "")
         if config.strip():
             log.warning("runtime_plugin_config_ignored", runtime=runtime_name,
                         runtime_version=runtime_version, size=len(config),
@@ -204,6 +211,8 @@ class AccelPlugin:
         of it: _once); or its refusal."""
         try:
             plan = self.engine.plan(info)
+            if plan.cdi_devices and self._cdi_dropped_by:
+                raise _cdi_dropped(self._cdi_dropped_by, plan.cdi_devices)
             result = adjust.encode_adjustment(plan.edits, plan.annotations,
                                               plan.cdi_devices)
             _check_size(len(result), plan)
@@ -324,6 +333,37 @@ class AccelPlugin:
             log.debug("grant_released", container_id=grant.container_id,
                       container=_shown(grant.name))
             self._on_change()
+
+
+_VERSION = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")
+
+
+def drops_cdi_devices(runtime_name: str, runtime_version: str) -> bool:
+    """Whether the runtime (as Configure names it) takes the CDI device names of an
+    adjustment and creates the container without them. NRI's spec generator injects
+    them only through the runtime's WithCDIDeviceInjector and does nothing without one
+    (containerd/nri pkg/runtime-tools/generate/generate.go, InjectCDIDevices).
+    containerd 2.0 sets none (internal/cri/nri/nri_api_linux.go; its fix,
+    containerd/containerd#12651, was closed unmerged), nor does 1.7 before 1.7.30
+    (pkg/cri/nri/nri_api_linux.go; containerd/containerd#12650), whose NRI before v0.7
+    does not even know the field; 2.1 and later do, and so does CRI-O 1.36
+    (server/nri-api.go). A version that does not parse is taken to apply them."""
+    found = _VERSION.match(runtime_version)
+    if runtime_name != "containerd" or found is None:
+        return False
+    version = tuple(map(int, found.groups()))
+    return version < (1, 7, 30) or (2, 0) <= version[:2] < (2, 1)
+
+
+def _cdi_dropped(runtime: str, names: tuple[str, ...]) -> RequestError:
+    """The refusal of a grant handed to a runtime that drops CDI names: answered, the
+    container would start without the devices, which nri-accel would count as held."""
+    return RequestError(
+        f"{runtime} ignores the CDI devices of an NRI adjustment, so "
+        f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''} would not reach the "
+        "container: set devices.cdi_passthrough = false (nri-accel then resolves CDI "
+        "devices itself), or run containerd 1.7.30+ or 2.1+ with CDI enabled",
+        source="config devices.cdi_passthrough")
 
 
 def _check_size(size: int, plan: Plan) -> None:

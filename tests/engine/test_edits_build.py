@@ -409,6 +409,8 @@ NODE = DeviceNode("/dev/nvidia8", 195, 8)
     (ContainerEdits(device_nodes=(DeviceNode("/dev/x", 1, 1, type="p"),)), "type 'p'"),
     (ContainerEdits(device_nodes=(NODE,), env=("LD_PRELOAD=/x.so",)), "LD_PRELOAD"),
     (ContainerEdits(device_nodes=(NODE,), env=("NOEQUALS",)), "KEY=VALUE"),
+    # NRI reads "-PATH" as "remove PATH" (containerd/nri pkg/api IsMarkedForRemoval)
+    (ContainerEdits(device_nodes=(NODE,), env=("-PATH=/opt/bin",)), "would remove 'PATH'"),
 ])
 def test_unsafe_inventory_edits_are_refused_for_the_container_that_needs_them(edits, why):
     inv = _bad_gpu_inventory(edits)

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from nri_accel import log
 from nri_accel.container import ContainerInfo
 from nri_accel.engine import RESTORE_KEYS
-from nri_accel.errors import NriAccelError, PolicyError
+from nri_accel.errors import NriAccelError, PolicyError, RequestError
 from nri_accel.inventory import ContainerEdits, Device, DeviceNode
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.simulator import LEGACY_EVENTS, Simulator, make_container, make_pod
@@ -198,6 +198,53 @@ def test_configure_reports_a_runtime_handed_config_instead_of_dropping_it() -> N
     assert (line["event"], line["log_level"]) == ("runtime_plugin_config_ignored", "warning")
     assert (line["runtime"], line["size"]) == ("containerd", len(DROP_IN))
     assert "--config" in line["reason"]
+
+
+class CdiPlan(FakePlan):
+    """A grant handed to the runtime as a CDI name (devices.cdi_passthrough)."""
+
+    cdi_devices = ("vendor.example/dev=a",)
+
+
+class CdiEngine(FakeEngine):
+    def plan(self, info: ContainerInfo) -> Any:
+        super().plan(info)
+        return CdiPlan()
+
+
+@pytest.mark.parametrize(("runtime", "version", "applied"), [
+    ("containerd", "v1.7.24", False),  # NRI v0.6: no CDI field at all
+    ("containerd", "v1.7.29", False),  # the field, but no CDI injector
+    ("containerd", "v2.0.7", False),
+    ("containerd", "v1.7.30", True),
+    ("containerd", "v2.1.0", True),
+    ("containerd", "v2.3.4", True),
+    ("cri-o", "1.36.3", True),
+    ("containerd", "", True),  # not known: not refused
+])
+def test_cdi_names_are_refused_where_the_runtime_would_drop_them(
+        runtime: str, version: str, applied: bool) -> None:
+    """containerd 1.7 before 1.7.30 and 2.0 take an adjustment's CDI devices and create
+    the container without them (containerd/nri pkg/runtime-tools/generate InjectCDIDevices
+    does nothing without the runtime's injector): the container would run without its
+    devices while nri-accel counts them as held, so it is refused instead."""
+    engine = CdiEngine()
+    accel = AccelPlugin(engine)  # type: ignore[arg-type]
+    accel.configure("", runtime, version)
+    ctr = make_container(POD, {"name": "main", "annotations": ASKS})
+    if applied:
+        adj = pb.ContainerAdjustment.FromString(accel.create_container(POD, ctr))
+        assert [d.name for d in adj.CDI_devices] == ["vendor.example/dev=a"]
+        assert len(engine.committed) == 1
+        return
+    with capture_logs() as logs, pytest.raises(RequestError) as info:
+        accel.create_container(POD, ctr)
+    assert info.value.source == "config devices.cdi_passthrough"
+    assert f"{runtime} {version} ignores the CDI devices" in str(info.value)
+    assert "vendor.example/dev=a" in str(info.value)
+    assert engine.committed == []  # nothing held
+    (line,) = logs
+    assert line["event"] == "container_refused"
 
 
 async def test_containerd_1_7_accepts_the_subscription_and_configure_reports_its_config(
