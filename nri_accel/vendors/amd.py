@@ -75,6 +75,11 @@ Facts it relies on (sources: repository + path):
   or a unique id ("0x<hex>", or more than 8 hex digits). Upstream ignores invalid
   tokens silently (so "none" selects nothing); here they are errors. There is no
   "none" keyword: VISIBLE_NONE = "none" grants nothing there.
+- DOCKER_RESOURCE_*: amd-container-runtime reads every variable of that prefix (Docker
+  Swarm's generic resources) exactly as AMD_VISIBLE_DEVICES, the last one in the env
+  winning (ROCm/container-toolkit internal/oci/oci.go, getAMDEnv). nri-accel grants
+  nothing for them, but one set implies AMD_VISIBLE_DEVICES (AmdProfile.read_env), so
+  that a container granted no AMD GPU gets AMD_VISIBLE_DEVICES=none appended after it.
 - ROCm env inside the container: not set. libhsakmt enumerates a GPU only if it can
   open its render node (libhsakmt/src/topology.c,
   topology_sysfs_check_node_supported: ENOENT/EPERM -> node skipped), so the injected
@@ -89,7 +94,7 @@ from __future__ import annotations
 import operator
 import re
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import reduce
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -112,7 +117,7 @@ from nri_accel.inventory import (
 )
 from nri_accel.log import get_logger
 from nri_accel.syntax import MAX_IDS, TOO_MANY_IDS, decimal_index
-from nri_accel.vendors.base import VisibleDevicesProfile
+from nri_accel.vendors.base import EnvAsk, VisibleDevicesProfile
 
 if TYPE_CHECKING:
     from nri_accel.config import Config
@@ -123,6 +128,7 @@ FAMILY = "amd"
 KIND = "amd.com/gpu"
 ENV_VISIBLE = "AMD_VISIBLE_DEVICES"
 VISIBLE_NONE = "none"
+DOCKER_RESOURCE_PREFIX = "DOCKER_RESOURCE_"  # also read as AMD_VISIBLE_DEVICES upstream
 
 KFD_DRIVER = "kfd"  # /proc/devices names
 DRM_DRIVER = "drm"
@@ -530,8 +536,17 @@ class AmdProfile(VisibleDevicesProfile):
     kinds = (KIND,)
     visible_var = ENV_VISIBLE
     visible_none = VISIBLE_NONE
+    env_prefixes = (DOCKER_RESOURCE_PREFIX,)
     parse_visible = staticmethod(parse_visible)
     container_env = staticmethod(container_env)
+
+    def read_env(self, env: Mapping[str, str]) -> EnvAsk:
+        """As VisibleDevicesProfile reads AMD_VISIBLE_DEVICES; where it is unset, a
+        DOCKER_RESOURCE_* variable, which amd-container-runtime reads as it (module
+        docstring), asks nothing but implies it (`visible`)."""
+        if ENV_VISIBLE not in env and any(k.startswith(DOCKER_RESOURCE_PREFIX) for k in env):
+            return EnvAsk(visible=True)
+        return super().read_env(env)
 
     def discover(self, root: HostRoot, config: Config) -> Found:
         return discover(root)

@@ -485,6 +485,32 @@ def test_visible_none_grants_nothing() -> None:
     assert amd.parse_visible(amd.VISIBLE_NONE) is None
 
 
+@pytest.mark.parametrize("env", [
+    {"DOCKER_RESOURCE_AMD_GPU": "0,1"},
+    {"DOCKER_RESOURCE_GPU": "all"},
+])
+def test_docker_resource_variables_imply_the_visibility_variable(
+        env: dict[str, str], tmp_path: Path) -> None:
+    # amd-container-runtime reads every DOCKER_RESOURCE_* variable as AMD_VISIBLE_DEVICES
+    # (ROCm/container-toolkit internal/oci/oci.go, getAMDEnv): nri-accel grants nothing
+    # for them, and a container granted no AMD GPU gets AMD_VISIBLE_DEVICES=none
+    ask = amd.PROFILE.read_env(env)
+    assert (ask.visible, ask.sources) == (True, ())
+    inventory = assemble([("amd", True, amd.discover(materialise("mi300x", tmp_path / "n")))])
+    engine = Engine(inventory, Config(policy=PolicyConfig(mode="kubernetes")))
+    info = ContainerInfo(namespace="ns", pod_name="p", pod_uid="u", container_name="c",
+                         container_id="c1", pod_annotations={}, container_annotations={},
+                         env=tuple(f"{k}={v}" for k, v in env.items()))
+    plan = engine.plan(info)
+    assert plan.devices == ()
+    assert plan.edits.env == ("AMD_VISIBLE_DEVICES=none",)
+
+
+def test_docker_resource_variables_leave_the_visible_devices_request_alone() -> None:
+    ask = amd.PROFILE.read_env({"AMD_VISIBLE_DEVICES": "1", "DOCKER_RESOURCE_X": "0"})
+    assert [c.ids for s in ask.sources for c in s.claims] == [("1",)]
+
+
 # ---- container env and the change probe -----------------------------------------------
 
 @pytest.mark.parametrize(("names", "expected"), [
