@@ -24,6 +24,11 @@ import pytest
 import structlog
 from fakes.nvml import build as nvml_build
 
+# The fake hosts the tests build are a root-run host's files, writable by their owner
+# alone (nri-accel refuses CDI specs a group or others could write): made so whatever
+# umask the shell running the suite has (002 on some CI machines and desktops).
+os.umask(0o022)
+
 REPO = Path(__file__).resolve().parents[1]
 NRI_WIRE = REPO.parent / "shared" / "nri-wire"
 REQUIRE_CAPTURES = "NRI_ACCEL_REQUIRE_CAPTURES"

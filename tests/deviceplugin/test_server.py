@@ -357,7 +357,8 @@ def test_a_stream_kubelet_lost_is_registered_again(kubelet, plugins) -> None:
         again = kubelet.wait_registered("nvidia.com/gpu", count=2)
         assert again.request.endpoint == first.request.endpoint
         assert _ids(kubelet.wait_list(again)) == [GPU0, GPU2]
-    (line,) = [e for e in logs if e["event"] == "kubelet_not_watching"]
+    # the first of them: on a loaded machine the new stream may itself come late
+    line, *_ = [e for e in logs if e["event"] == "kubelet_not_watching"]
     assert line["resource"] == "nvidia.com/gpu" and line["seconds"] >= 0.2
     assert "registering again" in line["effect"]
 

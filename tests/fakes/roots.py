@@ -79,6 +79,7 @@ def materialise(name: str, dest: Path, *, nvml_lib: Path | None = None) -> HostR
         raise FakeRootError(f"{src}: no such fake root (known: {', '.join(names())})")
     meta = _read_root_toml(src / "root.toml")
     shutil.copytree(src / "tree", dest, symlinks=True)
+    _owner_writable_only(dest)
     devices = src / "devices.txt"
     if devices.exists():
         _make_special_files(devices, dest)
@@ -133,6 +134,17 @@ def _under(dest: Path, host_path: str, where: str) -> Path:
     if not host_path.startswith("/") or ".." in host_path.split("/"):
         raise FakeRootError(f"{where}: path must be absolute without '..': {host_path!r}")
     return dest / host_path.lstrip("/")
+
+
+def _owner_writable_only(tree: Path) -> None:
+    """Take group and others' write bits off what copytree copied: a checkout made under
+    umask 002 has them, a real host's driver and CDI files do not (nri-accel refuses a
+    CDI spec a group or others could write)."""
+    for path in (tree, *tree.rglob("*")):
+        if not path.is_symlink():
+            mode = path.stat().st_mode
+            if mode & 0o022:
+                os.chmod(path, stat.S_IMODE(mode) & ~0o022)
 
 
 def _make_special_files(devices: Path, dest: Path) -> None:

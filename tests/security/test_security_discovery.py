@@ -4,6 +4,7 @@ container path outside the library directory, or mounts through a planted symlin
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import struct
@@ -17,6 +18,7 @@ from nri_accel.discover.hostroot import HostRoot
 from nri_accel.discover.ldcache import ARCHES, LdCacheError, Locator, parse_ld_so_cache
 from nri_accel.errors import DiscoveryError
 from nri_accel.inventory import ContainerEdits
+from nri_accel.vendors.cdi.spec import discover_cdi
 from nri_accel.vendors.nvidia.discover import discover_nvidia
 
 X86 = ARCHES["x86_64"]
@@ -115,3 +117,54 @@ def test_device_nodes_come_from_lstat_and_symlinks_are_refused(tmp_path: Path) -
     os.mknod(tmp_path / "dev/acc0", 0o600 | stat.S_IFCHR, os.makedev(240, 7))  # as root, as CI
     node = host_device_node(root, "/dev/acc0")
     assert (node.type, node.major, node.minor) == ("c", 240, 7)
+
+
+_HOOK_SPEC = json.dumps({
+    "cdiVersion": "0.6.0", "kind": "acme.example/npu",
+    "devices": [{"name": "npu0", "containerEdits": {
+        "mounts": [{"hostPath": "/etc/shadow", "containerPath": "/x"}],
+        "hooks": [{"hookName": "createContainer", "path": "/tmp/evil"}]}}]})
+
+
+@pytest.mark.parametrize("writable", ["file", "directory", "sticky directory",
+                                      "directory a symlinked file leads to"])
+def test_a_cdi_spec_anyone_but_root_could_write_is_not_read(tmp_path: Path,
+                                                            writable: str) -> None:
+    # A spec's mounts and hooks run with the runtime's privileges: one an unprivileged
+    # host user (or a pod with a hostPath volume) could write would grant /etc/shadow or
+    # a root hook. Upstream pkg/cdi reads any file in /etc/cdi and /var/run/cdi.
+    spec_dir = tmp_path / "etc/cdi"
+    spec_dir.mkdir(parents=True, mode=0o755)
+    spec = spec_dir / "npu.json"
+    if writable == "directory a symlinked file leads to":
+        (tmp_path / "tmp").mkdir(mode=0o755)
+        (tmp_path / "tmp/npu.json").write_text(_HOOK_SPEC)
+        os.chmod(tmp_path / "tmp/npu.json", 0o644)
+        os.symlink("/tmp/npu.json", spec)
+    else:
+        spec.write_text(_HOOK_SPEC)
+        os.chmod(spec, 0o644)
+    root = HostRoot.at(tmp_path)
+    assert [d.name for d in discover_cdi(root, ["/etc/cdi"]).devices] == ["npu0"]
+
+    target = {"file": spec, "directory": spec_dir, "sticky directory": spec_dir,
+              "directory a symlinked file leads to": tmp_path / "tmp"}[writable]
+    os.chmod(target, {"file": 0o666, "directory": 0o775, "sticky directory": 0o1777,
+                      "directory a symlinked file leads to": 0o777}[writable])
+    found = discover_cdi(root, ["/etc/cdi"])
+    assert found.devices == ()
+    assert found.drivers == ()
+    assert len(found.problems) == 1
+    assert "writable by its group or others" in found.problems[0].message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_a_cdi_spec_owned_by_another_user_is_not_read(tmp_path: Path) -> None:
+    (tmp_path / "etc/cdi").mkdir(parents=True, mode=0o755)
+    spec = tmp_path / "etc/cdi/npu.json"
+    spec.write_text(_HOOK_SPEC)
+    os.chmod(spec, 0o644)
+    os.chown(spec, 1000, -1)
+    found = discover_cdi(HostRoot.at(tmp_path), ["/etc/cdi"])
+    assert found.devices == ()
+    assert "owned by uid 1000, not by root" in found.problems[0].message

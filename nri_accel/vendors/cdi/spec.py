@@ -16,6 +16,11 @@ Reading follows what containerd and CRI-O do through pkg/cdi:
   static ones). A device defined at the same highest priority by two files is a
   conflict: it is dropped, with a Problem on both files. Lower-priority duplicates are
   shadowed silently, as upstream does.
+- Ownership (stricter than upstream, which reads any file there): a spec directory, a
+  spec file and the directory a symlinked spec file leads to must be owned by root (or
+  the user nri-accel runs as) and writable by no group or others (sticky or not); else
+  the directory or file is a Problem and not read. Its mounts, device nodes and hooks
+  are applied with the runtime's privileges.
 - Parsing is strict: unknown fields are errors. `cdiVersion` must be a released
   version from 0.3.0 (the first with `containerEdits`) to 1.1.0 and at least the
   version the content needs (specs-go/version.go: a mount `type`, so any tmpfs, 0.4.0;
@@ -286,7 +291,11 @@ def _list_spec_dir(root: HostRoot, spec_dir: str) -> tuple[list[str], str]:
     when it can or does not exist (a missing directory holds no spec, as upstream)."""
     try:
         # Its symlinks followed inside the host root, as the host sees them.
-        return sorted(os.listdir(root.local(root.resolve(spec_dir)))), ""
+        local = root.local(root.resolve(spec_dir))
+        who = _writers(os.stat(local))
+        if who:
+            return [], f"{who}: its specs could grant any host path or hook"
+        return sorted(os.listdir(local)), ""
     except FileNotFoundError:
         return [], ""
     except OSError as e:  # a symlink loop (ELOOP), not a directory, no permission
@@ -350,6 +359,11 @@ def _stat_spec_file(root: HostRoot, host_path: str) -> tuple[str, os.stat_result
             return None
         if not stat.S_ISREG(st.st_mode):
             raise SpecError("not a regular file")
+        who = _writers(st)
+        if not who and local != root.local(host_path):  # the directory the link leads to
+            who = _writers(os.stat(os.path.dirname(local)))
+        if who:
+            raise SpecError(f"{who}: not read (a spec grants host paths and hooks)")
         if st.st_size > MAX_SPEC_BYTES:
             raise SpecError(f"larger than {MAX_SPEC_BYTES} bytes")
     except OSError as e:
@@ -357,6 +371,20 @@ def _stat_spec_file(root: HostRoot, host_path: str) -> tuple[str, os.stat_result
     except ValueError as e:  # HostRoot refused the path ('..')
         raise SpecError(str(e)) from e
     return local, st
+
+
+def _writers(st: os.stat_result) -> str:
+    """Who besides root (or this process's user) could write the spec file or directory
+    `st` describes, as a refusal's text; "" when no one could. A spec is host
+    configuration like the runtime's: its mounts and hooks run with the runtime's
+    privileges, so a file an unprivileged user wrote (or could rewrite, or plant in a
+    writable directory, even a sticky one) would hand host files and root hooks to
+    every container granted its devices."""
+    if st.st_uid not in (0, os.geteuid()):
+        return f"owned by uid {st.st_uid}, not by root"
+    if st.st_mode & 0o022:
+        return f"writable by its group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
 
 
 def _read_spec_file(local: str) -> str:
