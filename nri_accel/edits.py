@@ -639,8 +639,9 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
     # two specs, CDI interleaves them spec by spec (A's, A's devices', B's, ...); here
     # both specs' come first. For env, nodes and mounts the devices' own come first
     # here and win, as they do there by being applied last.
-    hooks = merge_edits(ContainerEdits(hooks=p.hooks)
-                        for p in (*parts[own:], *parts[:own])).hooks
+    # (Merged again only where there are hooks: almost no grant has any.)
+    hooks = merged.hooks and merge_edits(ContainerEdits(hooks=p.hooks)
+                                         for p in (*parts[own:], *parts[:own])).hooks
     if catalog.hook_path and lib_dirs:
         hooks = (*hooks, Hook(
             hook_name="createContainer",

@@ -78,7 +78,7 @@ Facts it relies on (sources: repository + path):
 - DOCKER_RESOURCE_*: amd-container-runtime reads every variable of that prefix (Docker
   Swarm's generic resources) exactly as AMD_VISIBLE_DEVICES, the last one in the env
   winning (ROCm/container-toolkit internal/oci/oci.go, getAMDEnv). nri-accel grants
-  nothing for them, but one set implies AMD_VISIBLE_DEVICES (AmdProfile.read_env), so
+  nothing for them, but one set implies AMD_VISIBLE_DEVICES (selector_prefixes), so
   that a container granted no AMD GPU gets AMD_VISIBLE_DEVICES=none appended after it.
 - ROCm env inside the container: not set. libhsakmt enumerates a GPU only if it can
   open its render node (libhsakmt/src/topology.c,
@@ -94,7 +94,7 @@ from __future__ import annotations
 import operator
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import reduce
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -117,7 +117,7 @@ from nri_accel.inventory import (
 )
 from nri_accel.log import get_logger
 from nri_accel.syntax import MAX_IDS, TOO_MANY_IDS, decimal_index
-from nri_accel.vendors.base import EnvAsk, VisibleDevicesProfile
+from nri_accel.vendors.base import VisibleDevicesProfile
 
 if TYPE_CHECKING:
     from nri_accel.config import Config
@@ -536,17 +536,9 @@ class AmdProfile(VisibleDevicesProfile):
     kinds = (KIND,)
     visible_var = ENV_VISIBLE
     visible_none = VISIBLE_NONE
-    env_prefixes = (DOCKER_RESOURCE_PREFIX,)
+    selector_prefixes = (DOCKER_RESOURCE_PREFIX,)
     parse_visible = staticmethod(parse_visible)
     container_env = staticmethod(container_env)
-
-    def read_env(self, env: Mapping[str, str]) -> EnvAsk:
-        """As VisibleDevicesProfile reads AMD_VISIBLE_DEVICES; where it is unset, a
-        DOCKER_RESOURCE_* variable, which amd-container-runtime reads as it (module
-        docstring), asks nothing but implies it (`visible`)."""
-        if ENV_VISIBLE not in env and any(k.startswith(DOCKER_RESOURCE_PREFIX) for k in env):
-            return EnvAsk(visible=True)
-        return super().read_env(env)
 
     def discover(self, root: HostRoot, config: Config) -> Found:
         return discover(root)

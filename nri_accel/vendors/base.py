@@ -334,8 +334,8 @@ class VisibleDevicesProfile(Profile):
     """The usual shape of a family asked for through one visibility variable
     (HABANA_VISIBLE_DEVICES, AMD_VISIBLE_DEVICES) whose container env follows from the
     granted devices alone. A subclass sets `visible_var` and `visible_none` (the value
-    that grants nothing, written where nothing is granted), optionally `selectors`, and
-    implements parse_visible() and container_env()."""
+    that grants nothing, written where nothing is granted), optionally `selectors` and
+    `selector_prefixes`, and implements parse_visible() and container_env()."""
 
     visible_var: ClassVar[str] = ""
     visible_none: ClassVar[str] = ""
@@ -343,10 +343,13 @@ class VisibleDevicesProfile(Profile):
     """Other variables the vendor's runtime selects devices by where `visible_var` is
     unset. nri-accel grants nothing for them, but one set implies `visible_var`, so that
     a container granted nothing gets `visible_none` there (the runtime reads it first)."""
+    selector_prefixes: ClassVar[tuple[str, ...]] = ()
+    """As `selectors`, every variable whose name starts with one of these."""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         cls.env_names = frozenset({cls.visible_var, *cls.selectors})
+        cls.env_prefixes = cls.selector_prefixes
         cls.visibility = (cls.visible_var, cls.visible_none)
 
     def parse_visible(self, value: str) -> str | tuple[str, ...] | None:
@@ -364,7 +367,9 @@ class VisibleDevicesProfile(Profile):
         naming the variable."""
         var = self.visible_var
         if var not in env:
-            return EnvAsk(visible=True) if any(s in env for s in self.selectors) else NO_ASK
+            selected = (any(s in env for s in self.selectors)
+                        or any(k.startswith(self.selector_prefixes) for k in env))
+            return EnvAsk(visible=True) if selected else NO_ASK
         name = f"env {var}"
         value = env[var]
         try:

@@ -207,14 +207,20 @@ def test_graphics_brings_the_files_that_make_egl_and_vulkan_find_the_driver(a100
     assert not any("vulkan" in k or "glvnd" in k for k in mounts(driver(a100), "compute"))
 
 
-def test_graphics_brings_the_vulkan_layer_its_layer_file_names(fake_root: FakeRoot) -> None:
+@pytest.mark.parametrize(("lib", "marker"), [
+    ("libnvidia-present", "present"),  # the Vulkan layer its layer file names
+    ("libnvidia-vksc-core", "vksc"),  # R535 on: the Vulkan SC ICD's library
+])
+def test_graphics_brings_the_vulkan_libraries_of_recent_drivers(
+        fake_root: FakeRoot, lib: str, marker: str) -> None:
+    # versioned with the driver, and for graphics only
     root = fake_root("h100")
     dr, v = "/run/nvidia/driver", "570.124.06"
-    Path(root.local(f"{dr}{X86}/libnvidia-present.so.{v}")).write_bytes(b"")
+    Path(root.local(f"{dr}{X86}/{lib}.so.{v}")).write_bytes(b"")
     drv = driver(discover_nvidia(root))
-    assert mounts(drv, "graphics")[f"{LIB}/libnvidia-present.so.{v}"] == \
-        f"{dr}{X86}/libnvidia-present.so.{v}"
-    assert not [k for k in mounts(drv, "compute") if "present" in k]
+    assert mounts(drv, "graphics")[f"{LIB}/{lib}.so.{v}"] == f"{dr}{X86}/{lib}.so.{v}"
+    assert not [k for cap in ("compute", "utility", "video")
+                for k in mounts(drv, cap) if marker in k]
 
 
 def test_graphics_brings_gbms_nvidia_backend(fake_root: FakeRoot) -> None:
@@ -242,18 +248,6 @@ def test_a_gbm_backend_of_another_driver_is_not_mounted(fake_root: FakeRoot) -> 
     Path(root.local(f"{X86}/libnvidia-allocator.so.535.104.05")).write_bytes(b"")
     (gbm / "nvidia-drm_gbm.so").symlink_to("../libnvidia-allocator.so.535.104.05")
     assert not [k for k in mounts(driver(discover_nvidia(root)), "graphics") if "gbm/" in k]
-
-
-def test_graphics_brings_the_vulkan_sc_driver(fake_root: FakeRoot) -> None:
-    # R535 on: the Vulkan SC ICD's library, versioned with the driver
-    root = fake_root("h100")
-    dr, v = "/run/nvidia/driver", "570.124.06"
-    Path(root.local(f"{dr}{X86}/libnvidia-vksc-core.so.{v}")).write_bytes(b"")
-    drv = driver(discover_nvidia(root))
-    assert mounts(drv, "graphics")[f"{LIB}/libnvidia-vksc-core.so.{v}"] == \
-        f"{dr}{X86}/libnvidia-vksc-core.so.{v}"
-    assert not [k for cap in ("compute", "utility", "video")
-                for k in mounts(drv, cap) if "vksc" in k]
 
 
 def test_vulkan_files_are_found_in_the_driver_root_itself_as_gke_installs_them(
