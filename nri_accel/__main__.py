@@ -8,7 +8,8 @@ exec to registered):
   offer TLS, which nri-accel never speaks (NRI's socket, the kubelet's gRPC and /metrics
   are plain sockets): loading OpenSSL and building ssl's enums is ~25 M instructions,
   5 % of the start. asyncio then works as on a Python built without ssl; ssl itself is
-  importable again at once (prometheus_client, for one, imports it).
+  importable again at once (prometheus_client, for one, imports it, and so does uvloop,
+  which `run` starts its event loop on by default: App.run_loop).
 - the cyclic garbage collector is off while the modules load: imports build some 40,000
   objects it tracks (`run`'s) and free none, and it would walk them again and again
   (the young ones every 700 allocations, all of them each time they grow by a quarter):

@@ -18,6 +18,8 @@ Keys (all optional; unknown keys are errors so typos do not pass silently):
     socket = "/var/run/nri/nri.sock"  # absolute, at most 107 bytes (a unix socket address)
     name = "nri-accel"
     idx = "40"                   # two digits: ordering among NRI plugins
+    event_loop = "auto"          # run's event loop: auto (uvloop where it imports, else
+                                 # asyncio's own), uvloop (fail if it cannot) or asyncio
 
     [devices]
     cdi_passthrough = false      # hand CDI requests to the runtime as CDI device names
@@ -100,6 +102,7 @@ DEFAULT_CONFIG_PATH = "/etc/nri-accel/config.toml"
 DEFAULT_STATE_DIR = "/run/nri-accel"
 MAX_INTERVAL = 86400.0  # seconds: the longest refresh or recheck interval (a day)
 UNIX_PATH_MAX = 107
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # nri.event_loop (nri_accel.app.event_loop)
 """Bytes of a unix socket path: Linux's sun_path holds 108, the terminating NUL included."""
 
 _K8S_NS_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -142,6 +145,7 @@ class NriConfig(Struct, frozen=True):
     socket: str = DEFAULT_SOCKET
     name: str = "nri-accel"
     idx: str = "40"
+    event_loop: str = "auto"  # one of EVENT_LOOPS
 
 
 class DevicesConfig(Struct, frozen=True):
@@ -293,7 +297,7 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
             raise ConfigError(f"{ns!r} is not a Kubernetes namespace name",
                               source=r.src("policy.trusted_namespaces"))
 
-    nri = r.table("nri", {"socket", "name", "idx"})
+    nri = r.table("nri", {"socket", "name", "idx", "event_loop"})
     socket = r.get(nri, "nri.socket", str, DEFAULT_SOCKET)
     why = unix_socket_path_problem(socket)
     if why is None and not socket.startswith("/"):
@@ -307,6 +311,10 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
                           source=r.src("nri.idx"))
     if not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*", name):
         raise ConfigError(f"invalid plugin name {name!r}", source=r.src("nri.name"))
+    event_loop = r.get(nri, "nri.event_loop", str, "auto")
+    if event_loop not in EVENT_LOOPS:
+        raise ConfigError(f"must be one of {', '.join(map(repr, EVENT_LOOPS))}, not "
+                          f"{event_loop!r}", source=r.src("nri.event_loop"))
 
     dev = r.table("devices", {"cdi_passthrough", "hooks", "hook_path", "shared_kinds"})
     shared_kinds = r.str_list(dev, "devices.shared_kinds", [])
@@ -385,7 +393,7 @@ def parse_config(data: dict[str, Any], *, path: str = "") -> Config:
 
     return Config(
         policy=PolicyConfig(mode, frozenset(namespaces)),
-        nri=NriConfig(socket, name, idx),
+        nri=NriConfig(socket, name, idx, event_loop),
         devices=DevicesConfig(
             cdi_passthrough=r.get(dev, "devices.cdi_passthrough", bool, False),
             hooks=r.get(dev, "devices.hooks", bool, False),

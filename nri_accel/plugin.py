@@ -449,7 +449,7 @@ def _run(app: App, args: argparse.Namespace, fd: int | None) -> int:
     # frozen out of the collector's sight, a full collection on the event loop takes
     # some microseconds instead of 4 ms (26,000 objects on the demo node).
     gc.freeze()
-    return asyncio.run(_serve(app, engine, checkpoint, identity, fd, args.socket))
+    return app.run_loop(_serve(app, engine, checkpoint, identity, fd, args.socket))
 
 
 async def _serve(app: App, engine: Engine, checkpoint: Checkpoint, identity: Any,

@@ -25,6 +25,7 @@ def test_defaults_when_no_file(monkeypatch, tmp_path) -> None:
     assert cfg.devices.hooks is False  # no hook by default (DESIGN.md, CVE notes)
     assert cfg.health == HealthConfig(True, frozenset(), 60.0)
     assert cfg.nri.socket == "/var/run/nri/nri.sock"
+    assert cfg.nri.event_loop == "auto"  # uvloop where it imports (App.run_loop)
 
 
 def test_full_file(tmp_path) -> None:
@@ -36,6 +37,7 @@ trusted_namespaces = ["ml-team", "ci"]
 [nri]
 socket = "/run/x.sock"
 idx = "07"
+event_loop = "asyncio"
 [devices]
 cdi_passthrough = true
 [discovery]
@@ -64,7 +66,8 @@ env = ["ACME=1"]
     cfg = load_config(str(p))
     assert cfg.policy.mode == "standalone"
     assert cfg.policy.trusted_namespaces == frozenset({"ml-team", "ci"})
-    assert (cfg.nri.socket, cfg.nri.idx) == ("/run/x.sock", "07")
+    assert (cfg.nri.socket, cfg.nri.idx, cfg.nri.event_loop) == ("/run/x.sock", "07",
+                                                                  "asyncio")
     assert cfg.devices.cdi_passthrough is True
     assert cfg.discovery.refresh_interval == 0.0
     assert cfg.discovery.create_device_nodes is True
@@ -95,6 +98,8 @@ def test_device_plugin_defaults() -> None:
         ({"policy": {"trusted_namespaces": "default"}}, "array of strings"),
         ({"policy": {"trusted_namespaces": ["Bad_NS"]}}, "not a Kubernetes namespace"),
         ({"nri": {"idx": "7"}}, "nri.idx: must be two digits"),
+        ({"nri": {"event_loop": "libuv"}},
+         "nri.event_loop: must be one of 'auto', 'uvloop', 'asyncio', not 'libuv'"),
         ({"devices": {"hooks": "yes"}}, "devices.hooks: expected a boolean"),
         ({"devices": {"hook_path": "../hook"}}, "devices.hook_path"),
         ({"discovery": {"refresh_interval": -1}},

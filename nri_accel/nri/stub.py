@@ -351,11 +351,13 @@ class Stub:
         (0), or 1 if registration failed."""
         if self._stop_requested:
             return 0
+        loop = asyncio.get_running_loop()
         log.info("plugin_starting", plugin=self.identity.full_name,
                  events=mask_events(self.handled_events),
                  mode="pre-registered" if self.fd is not None else "external",
-                 socket=self.socket_path if self.fd is None else f"fd {self.fd}")
-        self._serving = asyncio.get_running_loop().create_task(self._serve())
+                 socket=self.socket_path if self.fd is None else f"fd {self.fd}",
+                 event_loop=type(loop).__module__.partition(".")[0])  # uvloop, asyncio
+        self._serving = loop.create_task(self._serve())
         try:
             return await self._serving
         except asyncio.CancelledError:

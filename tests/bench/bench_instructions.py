@@ -2,9 +2,10 @@
 
 Run: .venv/bin/python tests/bench/bench_instructions.py [--requests N]
 Prints figures, asserts nothing; needs valgrind (prints why it cannot run without it).
-The three plugins of bench_roundtrip.py (the floor: a bare ttrpc plugin answering
-empty; the stub serving a plugin that does nothing; `nri-accel run` on the demo
-inventory, standalone) run under valgrind's callgrind against the runtime simulator
+The plugins of bench_roundtrip.py (the floor: a bare ttrpc plugin answering empty, on
+asyncio's loop and on uvloop's; the stub serving a plugin that does nothing, on uvloop;
+`nri-accel run` on the demo inventory, standalone, on its default loop, uvloop) run
+under valgrind's callgrind against the runtime simulator
 in this process, each twice: once answering --requests CreateContainer of a container
 asking for nothing (the CRI request of shared/nri-wire's capture), once answering none.
 The difference, divided by --requests, is the user-space instructions one request
@@ -40,9 +41,8 @@ from pathlib import Path
 
 from bench_hotpath import CASES
 from bench_roundtrip import (
-    FLOOR,
     REPO,
-    STUB_ONLY,
+    bare_command,
     captured_request,
     captures_missing,
     daemon_command,
@@ -53,7 +53,7 @@ from bench_roundtrip import (
 from nri_accel import log
 from nri_accel.nri.simulator import Simulator
 
-PLUGINS = ("floor", "stub-only", "nri-accel")
+PLUGINS = ("floor", "floor-uvloop", "stub-only", "nri-accel")
 
 # argv: the case's name, the calls to make after the warm-up.
 HOT_PATH = f"""
@@ -112,13 +112,10 @@ async def run_all(requests: int, out: Path) -> dict[str, int]:
                                     stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         async with Simulator(sock, registration_timeout=120, request_timeout=30) as sim:
-            procs = {
-                "floor": under_callgrind("floor", [sys.executable, "-c", FLOOR, sock]),
-                "stub-only": under_callgrind("stub-only",
-                                             [sys.executable, "-c", STUB_ONLY, sock]),
-                "nri-accel": under_callgrind("nri-accel", daemon_command(
-                    sock, config, f"{tmp}/daemon.log")),
-            }
+            procs = {name: under_callgrind(name, bare_command(name, sock))
+                     for name in PLUGINS if name != "nri-accel"}
+            procs["nri-accel"] = under_callgrind("nri-accel", daemon_command(
+                sock, config, f"{tmp}/daemon.log"))
             try:
                 noop = variant(captured_request(), {})
                 for name in PLUGINS:

@@ -8,10 +8,14 @@ process, which logs warnings only; the daemon logs as deployed (info lines to a 
 its canonical line per container is part of its cost and of the figures below).
 Beside it runs the *floor*: the least a plugin can do over this project's ttrpc and
 mux code (register, configure, answer every CreateContainer empty; no stub, no
-parsing), on the same socket and simulator, and the stub serving a plugin whose
-create_container returns None at once (what the stub costs above the floor; the
-rest up to nri-accel is its own work per container). Their round trips are taken
-in alternating blocks, so that all see the same machine.
+parsing), on the same socket and simulator: issue #10's floor, a minimal asyncio
+plugin, runs on the stock asyncio loop; the same floor on uvloop (the loop `run`
+runs on by default, nri.event_loop = "auto") shows what nri-accel costs above it on
+one loop. Beside them the stub on uvloop serving a plugin whose create_container
+returns None at once (what the stub costs above the floor; the rest up to nri-accel
+is its own work per container), and `nri-accel run` on the stock loop
+(nri.event_loop = "asyncio"). Their round trips are taken in alternating blocks, so
+that all see the same machine.
 --cpu N pins both processes to CPU N: the figures are then the software's own cost,
 without the wake-up of a sleeping CPU at each message (on a small VM that adds about
 0.1 ms per round trip and most of the run-to-run spread). Measured:
@@ -69,8 +73,21 @@ sys.path.insert(0, str(REPO / "tests" / "protocol"))
 from runtime_states import STATES, in_state  # noqa: E402
 from wire import runtime_requests  # noqa: E402
 
-FLOOR = """
+# Each bare plugin's argv: the socket, the event loop to run on ("asyncio": the stock
+# loop; "uvloop": what `nri-accel run` runs on by default, nri.event_loop = "auto"), the
+# name it registers with.
+ON_LOOP = """
 import asyncio, sys
+
+def run_on(loop, main):
+    factory = None
+    if loop == "uvloop":
+        import uvloop
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
+"""
+FLOOR = ON_LOOP + """
 from nri_accel.nri import nri_pb2 as pb
 from nri_accel.nri.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, MuxProtocol
 from nri_accel.nri.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, event_bit
@@ -78,7 +95,7 @@ from nri_accel.ttrpc import Endpoint
 
 CONFIGURED = pb.ConfigureResponse(events=event_bit(pb.CREATE_CONTAINER)).SerializeToString()
 
-async def main(path):
+async def main(path, name):
     mux = MuxProtocol(serving=True)
     plugin = Endpoint(mux.sender(PLUGIN_SERVICE_CONN), {PLUGIN_SERVICE: {
         "Configure": lambda ctx, payload: CONFIGURED,
@@ -89,14 +106,13 @@ async def main(path):
     mux.attach(PLUGIN_SERVICE_CONN, plugin.data_received, plugin.connection_lost)
     mux.attach(RUNTIME_SERVICE_CONN, runtime.data_received, runtime.connection_lost)
     await asyncio.get_running_loop().create_unix_connection(lambda: mux, path)
-    register = pb.RegisterPluginRequest(plugin_name="floor", plugin_idx="99")
+    register = pb.RegisterPluginRequest(plugin_name=name, plugin_idx="99")
     await runtime.call(RUNTIME_SERVICE, "RegisterPlugin", register.SerializeToString())
     await mux.lost
 
-asyncio.run(main(sys.argv[1]))
+run_on(sys.argv[2], main(sys.argv[1], sys.argv[3]))
 """
-STUB_ONLY = """
-import asyncio, sys
+STUB_ONLY = ON_LOOP + """
 from nri_accel import log
 from nri_accel.nri.stub import Identity, Stub
 
@@ -106,8 +122,24 @@ class Nothing:
     def create_container(self, pod, container):
         return None
 
-asyncio.run(Stub(Nothing(), Identity("stub-only", "98"), socket_path=sys.argv[1]).run())
+run_on(sys.argv[2], Stub(Nothing(), Identity(sys.argv[3], "98"), socket_path=sys.argv[1]).run())
 """
+# The bare plugins beside the daemon, by the name each registers with: its code and loop.
+# "floor" is issue #10's floor (a minimal asyncio ttrpc plugin: the stock loop);
+# "floor-uvloop" the same on the daemon's own loop; the stub alone on the daemon's loop.
+BARE = {
+    "floor": (FLOOR, "asyncio"),
+    "floor-uvloop": (FLOOR, "uvloop"),
+    "stub-only": (STUB_ONLY, "uvloop"),
+}
+
+
+def bare_command(name: str, sock: str) -> list[str]:
+    """The command line of BARE's plugin `name`, connecting to `sock`."""
+    code, loop = BARE[name]
+    return [sys.executable, "-c", code, sock, loop, name]
+
+
 BLOCK = 250  # round trips per turn when plugins alternate
 
 
@@ -198,6 +230,28 @@ def daemon_command(sock: str, config: Path, log_file: str) -> list[str]:
             "--state-dir", str(Path(log_file).parent / "state")]
 
 
+def on_stock_loop(tmp: str, sock: str) -> list[str]:
+    """`nri-accel run` as daemon_command(), on the stock asyncio loop (nri.event_loop =
+    "asyncio"), registered as "nri-accel-asyncio"; its files in a directory of its own."""
+    home = Path(tmp, "asyncio")
+    home.mkdir()
+    config = home / "config.toml"
+    config.write_text('[policy]\nmode = "standalone"\n[nri]\nevent_loop = "asyncio"\n')
+    return [*daemon_command(sock, config, str(home / "daemon.log")),
+            "--name", "nri-accel-asyncio"]
+
+
+def ratio(ours: list[int], base: list[int]) -> str:
+    """p50 and p99 of `ours` over `base`'s, and the median and quartiles of the ratios
+    of each turn's medians (BLOCK round trips a turn, taken a few ms apart)."""
+    turns = sorted(statistics.median(ours[i:i + BLOCK]) / statistics.median(base[i:i + BLOCK])
+                   for i in range(0, len(ours), BLOCK))
+    return (f"p50 {quantile(ours, 0.5) / quantile(base, 0.5):.2f}x  p99 "
+            f"{quantile(ours, 0.99) / quantile(base, 0.99):.2f}x  (p50 turn by turn: median "
+            f"{statistics.median(turns):.2f}x, {turns[len(turns) // 4]:.2f}-"
+            f"{turns[len(turns) * 3 // 4]:.2f})")
+
+
 async def main_async(args: argparse.Namespace) -> None:
     base = captured_request()
     noop = variant(base, {})
@@ -219,38 +273,39 @@ async def main_async(args: argparse.Namespace) -> None:
                 print(f"start to RegisterPlugin:     {(registered - started) * 1000:.0f} ms")
                 print(f"start to configured+synced:  {(ready - started) * 1000:.0f} ms")
                 floor_started = time.monotonic()
-                others = [subprocess.Popen([sys.executable, "-c", FLOOR, sock],
-                                           stdin=subprocess.DEVNULL)]
+                others = [subprocess.Popen(bare_command("floor", sock), stdin=subprocess.DEVNULL)]
                 floor_conn = await sim.wait_for_plugin("floor", timeout=30)
                 assert floor_conn.registered_at is not None
                 print(f"  the floor's, a bare plugin: "
                       f"{(floor_conn.registered_at - floor_started) * 1000:.0f} ms")
-                others.append(subprocess.Popen([sys.executable, "-c", STUB_ONLY, sock],
+                others += [subprocess.Popen(bare_command(name, sock), stdin=subprocess.DEVNULL)
+                           for name in ("floor-uvloop", "stub-only")]
+                others.append(subprocess.Popen(on_stock_loop(tmp, sock),
                                                stdin=subprocess.DEVNULL))
-                stub_conn = await sim.wait_for_plugin("stub-only", timeout=30)
-
-                for warm in (conn, floor_conn, stub_conn):
+                conns = [conn, floor_conn] + [
+                    await sim.wait_for_plugin(name, timeout=30)
+                    for name in ("floor-uvloop", "stub-only", "nri-accel-asyncio")]
+                for warm in conns:
                     await round_trips(warm, gpu, 300)
-                pids = (proc.pid, others[0].pid, others[1].pid)
+                pids = [proc.pid] + [other.pid for other in others]
                 cpu = [on_cpu_ns(pid) for pid in pids]
-                ours, bare, stub_only = await alternating([conn, floor_conn, stub_conn], noop,
-                                                          args.requests)
+                ours, bare, bare_uv, stub_only, ours_stock = await alternating(
+                    conns, noop, args.requests)
                 cpu = [(on_cpu_ns(pid) - before) / len(ours) / 1000
                        for pid, before in zip(pids, cpu, strict=True)]
-                print(f"CreateContainer, no devices: {percentiles(ours)}")
-                print(f"  floor, a bare ttrpc plugin: {percentiles(bare)}")
-                print(f"  the stub, plugin does nothing: {percentiles(stub_only)}")
-                turns = sorted(statistics.median(ours[i:i + BLOCK])
-                               / statistics.median(bare[i:i + BLOCK])
-                               for i in range(0, len(ours), BLOCK))
-                print(f"  nri-accel / floor:          p50 "
-                      f"{quantile(ours, 0.5) / quantile(bare, 0.5):.2f}x  p99 "
-                      f"{quantile(ours, 0.99) / quantile(bare, 0.99):.2f}x  (p50 turn by "
-                      f"turn: median {statistics.median(turns):.2f}x, "
-                      f"{turns[len(turns) // 4]:.2f}-{turns[len(turns) * 3 // 4]:.2f})")
+                print(f"CreateContainer, no devices: {percentiles(ours)}  (uvloop, run's default)")
+                print(f"  floor, a bare ttrpc plugin: {percentiles(bare)}  (asyncio's loop)")
+                print(f"  the floor on uvloop:        {percentiles(bare_uv)}")
+                print(f"  the stub on uvloop, plugin does nothing: {percentiles(stub_only)}")
+                print(f"  nri-accel on asyncio's loop: {percentiles(ours_stock)}")
+                print(f"  nri-accel / floor:          {ratio(ours, bare)}")
+                print(f"  both on uvloop:             {ratio(ours, bare_uv)}")
+                print(f"  both on asyncio's loop:     {ratio(ours_stock, bare)}")
                 print(f"  CPU per request (schedstat): nri-accel {cpu[0]:.1f} us, floor "
-                      f"{cpu[1]:.1f} us, stub {cpu[2]:.1f} us: nri-accel / floor "
-                      f"{cpu[0] / cpu[1]:.2f}x")
+                      f"{cpu[1]:.1f} us (on uvloop {cpu[2]:.1f}), stub {cpu[3]:.1f} us, "
+                      f"nri-accel on asyncio's loop {cpu[4]:.1f} us: nri-accel / floor "
+                      f"{cpu[0] / cpu[1]:.2f}x, on uvloop {cpu[0] / cpu[2]:.2f}x, on asyncio's "
+                      f"{cpu[4] / cpu[1]:.2f}x")
                 print(f"CreateContainer, 1 GPU:      "
                       f"{percentiles(await round_trips(conn, gpu, args.requests))}")
                 rate = await throughput(conn, gpu, args.requests, args.concurrency)

@@ -238,6 +238,7 @@ async def test_preregistered_launch_uses_fd_3_logs_to_its_file_and_exits_with_th
     (start,) = [e for e in lines if e["event"] == "plugin_starting"]
     assert (start["mode"], start["socket"], start["plugin"]) == ("pre-registered", "fd 3",
                                                                   "15-accel")
+    assert start["event_loop"] == "uvloop"  # nri.event_loop = "auto" (App.run_loop)
     events = [e["event"] for e in lines]
     assert "registered" in events and "container_created" in events
 
