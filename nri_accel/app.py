@@ -95,7 +95,7 @@ class App(Struct):
         uvloop's (libuv, in C) for "uvloop", and for "auto" where uvloop imports;
         asyncio's own for "asyncio" (and "auto" without uvloop). uvloop takes the
         socket reads, writes and the loop's turn out of Python: `run` answers a
-        container that asks for nothing in some 6 us less CPU (bench_roundtrip.py
+        container that asks for nothing in 6-8 us less CPU (bench_roundtrip.py
         prints both loops), for about 10 ms more start-up (it imports ssl). Raises
         ConfigError for "uvloop" where it cannot be imported (`main` is then closed,
         never run)."""

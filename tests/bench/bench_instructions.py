@@ -165,11 +165,11 @@ def main() -> int:
     print(f"user-space instructions per CreateContainer asking for nothing "
           f"(callgrind, {args.requests} requests):")
     for name in PLUGINS:
-        print(f"  {name:10} {per[name] / 1000:7.1f} k   {per[name] / per['floor']:.2f}x the floor")
+        print(f"  {name:12} {per[name] / 1000:7.1f} k   {per[name] / per['floor']:.2f}x the floor")
     print("\neach process from exec to exit, answering only the warm-up (start-up, "
           "registration, 20 requests, SIGTERM):")
     for name in PLUGINS:
-        print(f"  {name:10} {idle[name] / 1e6:7.1f} M")
+        print(f"  {name:12} {idle[name] / 1e6:7.1f} M")
     with tempfile.TemporaryDirectory(prefix="nri-bench-callgrind-") as out:
 
         def show(script: str, case: str, what: str) -> None:
