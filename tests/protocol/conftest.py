@@ -1,7 +1,10 @@
 """Fixtures and the async test runner of the NRI protocol tests.
 
-`async def` tests here run in a fresh event loop each (asyncio.run), bounded by
-ASYNC_TEST_TIMEOUT so that a protocol hang fails the test instead of the suite.
+`async def` tests here run in a fresh event loop each, bounded by ASYNC_TEST_TIMEOUT so
+that a protocol hang fails the test instead of the suite; each runs twice, on asyncio's
+own loop and on uvloop's, the one `run` serves on by default (nri.event_loop = "auto"):
+the stubs, endpoints and simulators these tests run in process are held to both (the
+daemon they start as a process runs on uvloop either way).
 """
 
 from __future__ import annotations
@@ -10,13 +13,25 @@ import asyncio
 import inspect
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import uvloop
 from daemon import write_daemon_files
 
 ASYNC_TEST_TIMEOUT = 60.0
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop] | None] = {
+    "asyncio": None,  # asyncio.Runner's default: the stock loop
+    "uvloop": uvloop.new_event_loop,
+}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if inspect.iscoroutinefunction(metafunc.function):
+        metafunc.fixturenames.append("event_loop_kind")
+        metafunc.parametrize("event_loop_kind", list(LOOPS))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -24,7 +39,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
     args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
-    asyncio.run(asyncio.wait_for(pyfuncitem.obj(**args), ASYNC_TEST_TIMEOUT))
+    factory = LOOPS[pyfuncitem.callspec.params["event_loop_kind"]]
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(asyncio.wait_for(pyfuncitem.obj(**args), ASYNC_TEST_TIMEOUT))
     return True
 
 

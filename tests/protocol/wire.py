@@ -157,7 +157,10 @@ async def replay(wire_dir: Path, capture: str, relay: int,
         await asyncio.wait_for(wait_for_answers(len(go.frames)), 10)
         await loop.sock_sendall(runtime_end, read.data)
     await asyncio.wait_for(wait_for_answers(len(go.frames)), 10)
+    # The read pending on runtime_end ends first: uvloop closes a socket only once no
+    # sock_recv() waits on it (asyncio's loop at once), and the stub waits for that close.
+    pumping.cancel()
+    await asyncio.gather(pumping, return_exceptions=True)
     runtime_end.close()
     rc = await asyncio.wait_for(served, 10)
-    pumping.cancel()
     return ours.frames, plugin, rc
