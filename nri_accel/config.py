@@ -102,8 +102,9 @@ DEFAULT_CONFIG_PATH = "/etc/nri-accel/config.toml"
 DEFAULT_STATE_DIR = "/run/nri-accel"
 MAX_INTERVAL = 86400.0  # seconds: the longest refresh or recheck interval (a day)
 UNIX_PATH_MAX = 107
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")  # nri.event_loop (nri_accel.app.event_loop)
 """Bytes of a unix socket path: Linux's sun_path holds 108, the terminating NUL included."""
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+"""The values of nri.event_loop (nri_accel.app.App.run_loop)."""
 
 _K8S_NS_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
