@@ -616,8 +616,7 @@ def _common(selection: Selection, request: Request, catalog: Catalog) -> _Common
             notes.extend(fe.notes)
             facts.extend(fe.facts)
         elif profile.visibility is not None and profile.name in request.visible:
-            var, nothing = profile.visibility
-            env[var] = nothing
+            env.update(profile.nothing_env(request.option(profile.name)))
 
     merged = merge_edits(parts)
     count = _size(merged)

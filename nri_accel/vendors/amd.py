@@ -78,8 +78,9 @@ Facts it relies on (sources: repository + path):
 - DOCKER_RESOURCE_*: amd-container-runtime reads every variable of that prefix (Docker
   Swarm's generic resources) exactly as AMD_VISIBLE_DEVICES, the last one in the env
   winning (ROCm/container-toolkit internal/oci/oci.go, getAMDEnv). nri-accel grants
-  nothing for them, but one set implies AMD_VISIBLE_DEVICES (selector_prefixes), so
-  that a container granted no AMD GPU gets AMD_VISIBLE_DEVICES=none appended after it.
+  nothing for them, but one set implies AMD_VISIBLE_DEVICES (selector_prefixes), and
+  each one set is written with the value AMD_VISIBLE_DEVICES gets (the granted GPUs'
+  indices, or "none"), so that none of them, before or after it, widens the grant.
 - ROCm env inside the container: not set. libhsakmt enumerates a GPU only if it can
   open its render node (libhsakmt/src/topology.c,
   topology_sysfs_check_node_supported: ENOENT/EPERM -> node skipped), so the injected

@@ -85,6 +85,9 @@ edits (pure, over the checked catalog)
       removal of a variable that no plugin set (pkg/adaptation/result.go, adjustEnv:
       removals clear other plugins' entries and the plugins' view of the env, only
       additions reach the spec), so the image's value would stay.
+  nothing_env(options) -> ((variable, value), ...)
+      What that rewrite writes: the visibility variable with its "nothing" value (AMD:
+      every DOCKER_RESOURCE_* the env sets too, see VisibleDevicesProfile).
 
 device plugin and display
   resources(device, config) -> resource names under which kubelet sees the device
@@ -128,6 +131,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from msgspec import Struct
+from msgspec.structs import replace
 
 from nri_accel.discover.base import Found
 from nri_accel.errors import AllocationError, RequestError
@@ -287,6 +291,13 @@ class Profile:
     def tables(self, inventory: Any) -> Any:
         return None
 
+    def nothing_env(self, options: Hashable) -> tuple[tuple[str, str], ...]:
+        """The env of a container granted none of the family's devices whose env sets
+        its visibility variable (or implies it): that variable with the value that
+        grants nothing (see `visibility`; only for a family that has one)."""
+        assert self.visibility is not None
+        return (self.visibility,)
+
     def edits(self, devices: Sequence[Device], options: Hashable, drivers_only: bool,
               files: DriverFiles) -> FamilyEdits:
         notes: list[str] = []
@@ -344,7 +355,12 @@ class VisibleDevicesProfile(Profile):
     unset. nri-accel grants nothing for them, but one set implies `visible_var`, so that
     a container granted nothing gets `visible_none` there (the runtime reads it first)."""
     selector_prefixes: ClassVar[tuple[str, ...]] = ()
-    """As `selectors`, every variable whose name starts with one of these."""
+    """Variables, by the start of their names, that the vendor's runtime reads as
+    `visible_var` itself, in the env's order, the last one winning (AMD's
+    DOCKER_RESOURCE_*). One set implies `visible_var`, as a selector does, and each one
+    set is written with the value `visible_var` gets (the devices granted, or
+    `visible_none`): rewriting `visible_var` alone, in its place, would leave one after it
+    to widen the grant. Their names are the family's settings (read_env's options)."""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -364,11 +380,18 @@ class VisibleDevicesProfile(Profile):
     def read_env(self, env: Mapping[str, str]) -> EnvAsk:
         """Unset asks nothing (`visible` where a selector is set); a value asking no
         device still sets the variable (`visible`); a malformed one is a RequestError
-        naming the variable."""
+        naming the variable. Options: the names of the variables set that start with
+        one of `selector_prefixes`, sorted (None for none)."""
+        prefixed = tuple(sorted(k for k in env if k.startswith(self.selector_prefixes))
+                         ) if self.selector_prefixes else ()
+        ask = self._read_visible(env, selected=bool(prefixed))
+        return replace(ask, options=prefixed) if prefixed else ask
+
+    def _read_visible(self, env: Mapping[str, str], selected: bool) -> EnvAsk:
+        """read_env() but for its options; `selected`: a prefixed variable is set."""
         var = self.visible_var
         if var not in env:
-            selected = (any(s in env for s in self.selectors)
-                        or any(k.startswith(self.selector_prefixes) for k in env))
+            selected = selected or any(s in env for s in self.selectors)
             return EnvAsk(visible=True) if selected else NO_ASK
         name = f"env {var}"
         value = env[var]
@@ -391,8 +414,14 @@ class VisibleDevicesProfile(Profile):
     def edits(self, devices: Sequence[Device], options: Hashable, drivers_only: bool,
               files: DriverFiles) -> FamilyEdits:
         base = super().edits(devices, options, drivers_only, files)
-        return FamilyEdits(parts=base.parts, notes=base.notes,
-                           env=tuple(self.container_env(devices).items()))
+        env = self.container_env(devices)
+        value = env.get(self.visible_var)
+        also = tuple((name, value) for name in options or ()) if value else ()
+        return FamilyEdits(parts=base.parts, notes=base.notes, env=(*env.items(), *also))
+
+    def nothing_env(self, options: Hashable) -> tuple[tuple[str, str], ...]:
+        nothing = self.visible_none
+        return (*super().nothing_env(options), *((name, nothing) for name in options or ()))
 
 
 def joined_ranges(numbers: Iterable[int]) -> str:

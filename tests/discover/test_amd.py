@@ -4,6 +4,7 @@ the AMD_VISIBLE_DEVICES grammar, the container env and the change probe."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fakes.roots import materialise
@@ -493,17 +494,45 @@ def test_docker_resource_variables_imply_the_visibility_variable(
         env: dict[str, str], tmp_path: Path) -> None:
     # amd-container-runtime reads every DOCKER_RESOURCE_* variable as AMD_VISIBLE_DEVICES
     # (ROCm/container-toolkit internal/oci/oci.go, getAMDEnv): nri-accel grants nothing
-    # for them, and a container granted no AMD GPU gets AMD_VISIBLE_DEVICES=none
+    # for them, and a container granted no AMD GPU gets AMD_VISIBLE_DEVICES=none, and
+    # each of them "none" too
     ask = amd.PROFILE.read_env(env)
     assert (ask.visible, ask.sources) == (True, ())
+    plan = amd_plan(tmp_path, "kubernetes", env)
+    assert plan.devices == ()
+    (name,) = env
+    assert sorted(plan.edits.env) == ["AMD_VISIBLE_DEVICES=none", f"{name}=none"]
+
+
+def amd_plan(tmp_path: Path, mode: str, env: dict[str, str]) -> Any:
+    """The Engine's plan, on the MI300X fake node, for a container of `env` alone."""
     inventory = assemble([("amd", True, amd.discover(materialise("mi300x", tmp_path / "n")))])
-    engine = Engine(inventory, Config(policy=PolicyConfig(mode="kubernetes")))
+    engine = Engine(inventory, Config(policy=PolicyConfig(mode=mode)))
     info = ContainerInfo(namespace="ns", pod_name="p", pod_uid="u", container_name="c",
                          container_id="c1", pod_annotations={}, container_annotations={},
                          env=tuple(f"{k}={v}" for k, v in env.items()))
-    plan = engine.plan(info)
-    assert plan.devices == ()
-    assert plan.edits.env == ("AMD_VISIBLE_DEVICES=none",)
+    return engine.plan(info)
+
+
+@pytest.mark.parametrize("mode", ["standalone", "kubernetes"])
+def test_a_docker_resource_variable_after_the_visible_devices_cannot_widen_the_grant(
+        mode: str, tmp_path: Path) -> None:
+    # The runtime reads them in the env's order, the last one winning: an image that sets
+    # AMD_VISIBLE_DEVICES and then DOCKER_RESOURCE_GPU=all would get every GPU from a
+    # co-installed amd-container-runtime, AMD_VISIBLE_DEVICES being rewritten in its
+    # place. Each one set says what AMD_VISIBLE_DEVICES says: in whatever order, the
+    # runtime reads the grant (standalone: GPU 1; kubernetes, env granting nothing: none).
+    image = {"AMD_VISIBLE_DEVICES": "1", "DOCKER_RESOURCE_GPU": "all",
+             "DOCKER_RESOURCE_AMD": "0-3"}
+    plan = amd_plan(tmp_path, mode, image)
+    granted = "1" if mode == "standalone" else "none"
+    assert [d.qualified_name for d in plan.devices] == (
+        ["amd.com/gpu=1"] if mode == "standalone" else [])
+    # The runtime's env: the image's, each variable of the adjustment replacing its own
+    # in place (an equal value is not written again).
+    env = {**image, **dict(kv.split("=", 1) for kv in plan.edits.env)}
+    assert list(env)[:3] == list(image)
+    assert {k: env[k] for k in image} == dict.fromkeys(image, granted)
 
 
 def test_docker_resource_variables_leave_the_visible_devices_request_alone() -> None:
