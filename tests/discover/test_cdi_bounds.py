@@ -207,6 +207,30 @@ def test_devices_past_the_cap_are_left_out_with_a_problem(
         ("/etc/cdi/many.yaml", True)]
 
 
+@pytest.mark.parametrize("where", [0, 2, 3])
+def test_the_composite_all_is_not_counted_against_the_cap(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: int) -> None:
+    # `cdi generate` writes a kind's devices and `all` beside them: a kind of exactly
+    # MAX_SPEC_DEVICES devices reads back whole, wherever its `all` stands among them;
+    # one device more is left out with a problem.
+    monkeypatch.setattr(cdi_spec, "MAX_SPEC_DEVICES", 3)
+    tree = _tree(tmp_path)
+    devices: list[dict[str, Any]] = [{"name": f"d{i}", "containerEdits": {"env": [f"I={i}"]}}
+                                     for i in range(4)]
+    devices.insert(where, {"name": "all", "containerEdits": {"env": ["I=all"]}})
+    tree.file("/etc/cdi/three.yaml", yaml.safe_dump({
+        "cdiVersion": "0.6.0", "kind": "acme.example/three",
+        "devices": [d for d in devices if d["name"] != "d3"]}))
+    tree.file("/etc/cdi/four.yaml", yaml.safe_dump({
+        "cdiVersion": "0.6.0", "kind": "acme.example/four", "devices": devices}))
+    found = discover_cdi(tree.root, DIRS)
+    names = {kind: [d.name for d in found.devices if d.kind == f"acme.example/{kind}"]
+             for kind in ("three", "four")}
+    assert names == {"three": ["d0", "d1", "d2"], "four": ["d0", "d1", "d2"]}
+    assert [(p.source, "1 devices left out" in p.message) for p in found.problems] == [
+        ("/etc/cdi/four.yaml", True)]
+
+
 def test_spec_files_past_the_cap_are_not_read(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cdi_spec, "MAX_SPEC_FILES", 2)

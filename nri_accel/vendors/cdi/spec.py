@@ -418,11 +418,15 @@ def _build_spec(root: HostRoot, raw: Any, host_path: str,
     if not isinstance(raw_devices, list) or not raw_devices:
         raise SpecError("devices: a spec must define at least one device")
     problems: list[Problem] = []
-    if len(raw_devices) > MAX_SPEC_DEVICES:
+    # The composite `all` is not listed (module docstring), so not counted: `cdi generate`
+    # writes it beside as many as MAX_SPEC_DEVICES devices of a kind.
+    cap = MAX_SPEC_DEVICES + any(isinstance(d, dict) and d.get("name") == ALL_DEVICE
+                                 for d in raw_devices[:MAX_SPEC_DEVICES + 1])
+    if len(raw_devices) > cap:
         problems.append(Problem(host_path, (
-            f"devices[{MAX_SPEC_DEVICES}:]: {len(raw_devices) - MAX_SPEC_DEVICES} devices "
-            f"left out: nri-accel reads at most {MAX_SPEC_DEVICES} devices per spec")))
-        raw_devices = raw_devices[:MAX_SPEC_DEVICES]
+            f"devices[{cap}:]: {len(raw_devices) - cap} devices left out: nri-accel reads "
+            f"at most {MAX_SPEC_DEVICES} devices per spec, and the composite {ALL_DEVICE!r}")))
+        raw_devices = raw_devices[:cap]
         raw = {**raw, "devices": raw_devices}  # a copy: `raw` may be the cache's
 
     spec_edits = _edits(root, raw.get("containerEdits"), "containerEdits", device_level=False)
