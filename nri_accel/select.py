@@ -225,7 +225,8 @@ class DeviceIndex:
 
     def unknown(self, kind: str, ident: str, source: str) -> NotFoundError:
         shown = cut(ident, _MAX_ECHO)
-        described = self._describe.get(kind) or f"this node has no {kind} devices"
+        described = (family_of(kind).unknown_hint(ident, self.inventory)
+                     or self._describe.get(kind) or f"this node has no {kind} devices")
         return NotFoundError(f"unknown device {kind}={shown!r}: {described}", source=source)
 
     def _describe_kind(self, kind: str) -> str:

@@ -566,6 +566,23 @@ class AmdProfile(VisibleDevicesProfile):
                     return self.partition_whole(d).key
         return key
 
+    def unknown_hint(self, ident: str, inventory: Any) -> str:
+        """A GPU's unique id or ROCm UUID where the GPU is split into compute partitions
+        (DPX/QPX/CPX): they carry its unique_id but answer to none of its ids (module
+        docstring), where amd-container-runtime takes it for all of them."""
+        digits = ident[4:] if ident[:4].upper() == "GPU-" else ident[2:] if ident[:2] in (
+            "0x", "0X") else ""
+        if not 1 <= len(digits) <= 16 or not set(digits) <= _HEX:
+            return ""
+        uid = f"0x{int(digits, 16):016x}"
+        parts = [d for d in inventory.of_kind(KIND)
+                 if d.partition is not None and d.attributes.get("unique_id") == uid]
+        if not parts:
+            return ""
+        shown = ", ".join(d.key.partition("=")[2] for d in parts[:2])
+        return (f"GPU {uid} is split into {len(parts)} compute partitions, each a device of "
+                f"its own: name them ({shown}, ...) or ask for a count")
+
     def partition(self, device: Device, inventory: Any) -> str:
         if device.partition is None:
             return ""

@@ -278,6 +278,11 @@ class Profile:
     def countable(self, device: Device) -> bool:
         return True
 
+    def unknown_hint(self, ident: str, inventory: Any) -> str:
+        """Why `ident`, which names none of the family's devices, names none, where more
+        can be said than what the node has ("" where nothing can)."""
+        return ""
+
     def refuse_named(self, device: Device, options: Hashable, inventory: Any) -> str:
         return ""
 

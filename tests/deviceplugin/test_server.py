@@ -347,7 +347,7 @@ def _gpu_only() -> Inventory:
     return Inventory(devices=tuple(d for d in node_inventory().devices if d.kind == KIND_GPU))
 
 
-def test_a_stream_kubelet_lost_is_registered_again(kubelet, plugins) -> None:
+def test_a_stream_kubelet_lost_is_registered_again(kubelet, plugins, all_logs) -> None:
     # kubelet loses the stream (kubernetes#131013) and never connects again by itself
     with capture_logs() as logs:
         plugins(_gpu_only(), watch_grace=0.2)
@@ -428,8 +428,8 @@ def test_a_resource_kubelet_stopped_watching_is_not_ready(kubelet, plugins) -> N
     assert running.plugins.registered() == {"nvidia.com/gpu": False}
 
 
-def test_a_kubelet_back_after_a_long_absence_is_registered_with_at_once(kubelet,
-                                                                        plugins) -> None:
+def test_a_kubelet_back_after_a_long_absence_is_registered_with_at_once(
+        kubelet, plugins, all_logs) -> None:
     # A stopped kubelet leaves kubelet.sock behind (devicemanager plugin/v1beta1
     # server.go Stop: "we do not remove the registration socket"): the plugin, no longer
     # watched, registers again and again against it, backing off. The kubelet that

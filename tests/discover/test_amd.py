@@ -16,7 +16,7 @@ from nri_accel.discover import assemble
 from nri_accel.discover.base import Found
 from nri_accel.discover.hostroot import HostRoot
 from nri_accel.engine import Engine
-from nri_accel.errors import AllocationError
+from nri_accel.errors import AllocationError, NotFoundError
 from nri_accel.health import carry_vanished
 from nri_accel.inventory import Device, DeviceNode, Inventory
 from nri_accel.state import Grant
@@ -313,6 +313,32 @@ def test_partitions_through_the_device_plugin_and_the_engine(tmp_path: Path) -> 
     assert [d.name for d in plan.devices] == ["2", "5"]
     assert plan.annotations["nri-accel.io/granted"] == (
         "amd.com/gpu=0000:11:00.0-p2,amd.com/gpu=0000:11:00.0-p5")
+
+
+@pytest.mark.parametrize("ident", ["0xabc", "0x0000000000000ABC", "GPU-0000000000000abc"])
+def test_a_partitioned_gpu_s_own_id_is_refused_saying_it_is_partitioned(
+        tmp_path: Path, ident: str) -> None:
+    # amd-container-runtime takes a unique id for all the GPU's partitions; here each
+    # partition is a device of its own, and the GPU's ids name none: refused, saying why.
+    tree = _tree(tmp_path, 0)
+    _cpx(tree, 1, 0x11, 128, 0xABC, 8)
+    engine = Engine(_amd_inventory(tree), Config(policy=PolicyConfig(mode="standalone")))
+    info = ContainerInfo(namespace="ns", pod_name="p", pod_uid="u", container_name="c",
+                         container_id="c1", pod_annotations={"devices.nri-accel.io":
+                                                             f"amd.com/gpu={ident}"},
+                         container_annotations={}, env=())
+    with pytest.raises(NotFoundError) as refused:
+        engine.plan(info)
+    assert str(refused.value) == (
+        f"annotation devices.nri-accel.io: unknown device amd.com/gpu={ident!r}: GPU "
+        "0x0000000000000abc is split into 8 compute partitions, each a device of its own: "
+        "name them (0000:11:00.0-p0, 0000:11:00.0-p1, ...) or ask for a count")
+    other = ContainerInfo(namespace="ns", pod_name="p", pod_uid="u", container_name="c",
+                          container_id="c2", pod_annotations={"devices.nri-accel.io":
+                                                              "amd.com/gpu=0xdef"},
+                          container_annotations={}, env=())
+    with pytest.raises(NotFoundError, match=r"this node has amd\.com/gpu 0, 1, "):
+        engine.plan(other)  # an id no GPU has: what the node has, as before
 
 
 def _amd_inventory(tree: HostTree) -> Inventory:
