@@ -1,7 +1,10 @@
 """Shared pytest fixtures, and what the suite does when a prerequisite is missing.
 
-`all_logs`: structlog lets every level through for the test (an earlier test may have
-configured a higher level), and the configuration is restored afterwards.
+`all_logs`: structlog lets every level through for the test (the suite's own setup, or
+the test's module, may have configured a higher level), and the configuration is
+restored afterwards. Every test leaves the logging configuration as it found it
+(`_logging_as_found`): a test running a verb in process configures it for that verb
+(`discover` logs errors only), and a later test reading warnings saw none.
 `nri_wire_dir`: the byte captures of a real containerd NRI runtime (../shared/nri-wire,
 beside the repository, as in CI's clean clone).
 
@@ -15,6 +18,7 @@ tests then fail instead, so that CI never passes without them.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +27,8 @@ from typing import NoReturn
 import pytest
 import structlog
 from fakes.nvml import build as nvml_build
+
+from nri_accel import log as nri_log
 
 # The fake hosts the tests build are a root-run host's files, writable by their owner
 # alone (nri-accel refuses CDI specs a group or others could write): made so whatever
@@ -97,6 +103,23 @@ def nri_wire_dir() -> Path:
     if not NRI_WIRE.is_dir():
         raise CapturesMissing(NO_CAPTURES)
     return NRI_WIRE
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_found() -> Iterator[None]:
+    """Restore what nri_accel.log.configure() sets after each test: structlog's
+    configuration, the root logger's handlers and level, and the module's logger
+    factory."""
+    saved = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level, factory = root.handlers[:], root.level, nri_log._factory
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        nri_log._factory = factory
 
 
 @pytest.fixture
