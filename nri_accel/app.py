@@ -100,7 +100,7 @@ class App(Struct):
         ConfigError for "uvloop" where it cannot be imported (`main` is then closed,
         never run)."""
         try:
-            factory = _loop_factory(self.config)
+            factory = loop_factory(self.config)
         except ConfigError:
             main.close()
             raise
@@ -151,8 +151,9 @@ class App(Struct):
                          state=self._probe)
 
 
-def _loop_factory(config: Config) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's new_event_loop, or None (asyncio's own loop), for config.nri.event_loop."""
+def loop_factory(config: Config) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's new_event_loop, or None (asyncio's own loop), for config.nri.event_loop.
+    Raises ConfigError for "uvloop" where it cannot be imported."""
     choice = config.nri.event_loop
     if choice == "asyncio":
         return None
