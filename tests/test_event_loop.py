@@ -39,7 +39,7 @@ def test_without_uvloop_auto_takes_the_stock_loop_and_uvloop_is_refused(monkeypa
     assert 'set "asyncio"' in str(refused.value)
 
 
-def test_the_coroutine_s_result_and_exception_come_back() -> None:
+def test_the_coroutine_s_exception_comes_back() -> None:
     async def fails() -> None:
         raise ValueError("from the loop")
 

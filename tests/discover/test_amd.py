@@ -323,22 +323,14 @@ def test_a_partitioned_gpu_s_own_id_is_refused_saying_it_is_partitioned(
     tree = _tree(tmp_path, 0)
     _cpx(tree, 1, 0x11, 128, 0xABC, 8)
     engine = Engine(_amd_inventory(tree), Config(policy=PolicyConfig(mode="standalone")))
-    info = ContainerInfo(namespace="ns", pod_name="p", pod_uid="u", container_name="c",
-                         container_id="c1", pod_annotations={"devices.nri-accel.io":
-                                                             f"amd.com/gpu={ident}"},
-                         container_annotations={}, env=())
     with pytest.raises(NotFoundError) as refused:
-        engine.plan(info)
+        engine.plan(_asks(f"amd.com/gpu={ident}", "c1"))
     assert str(refused.value) == (
         f"annotation devices.nri-accel.io: unknown device amd.com/gpu={ident!r}: GPU "
         "0x0000000000000abc is split into 8 compute partitions, each a device of its own: "
         "name them (0000:11:00.0-p0, 0000:11:00.0-p1, ...) or ask for a count")
-    other = ContainerInfo(namespace="ns", pod_name="p", pod_uid="u", container_name="c",
-                          container_id="c2", pod_annotations={"devices.nri-accel.io":
-                                                              "amd.com/gpu=0xdef"},
-                          container_annotations={}, env=())
     with pytest.raises(NotFoundError, match=r"this node has amd\.com/gpu 0, 1, "):
-        engine.plan(other)  # an id no GPU has: what the node has, as before
+        engine.plan(_asks("amd.com/gpu=0xdef", "c2"))  # no GPU's id: what the node has
 
 
 def _amd_inventory(tree: HostTree) -> Inventory:
